@@ -1,0 +1,109 @@
+"""What every algorithm shares: the drafter side, the vocabulary maps of a pair, and the Draft it hands over.
+
+An algorithm is split into steps on plain data so the in-process engine and the Ray workers run the
+same code (DESIGN.md, "One algorithm, two runtimes"):
+- ``draft``  (drafter side): sync the drafter to the committed text, then propose;
+- ``align``  (string level): turn the proposal into target token ids (SLEM only re-tokenizes);
+- ``verify`` (target side): ``hetspec.verify.verify_candidates``;
+- commit: the target rolls back to the accepted prefix (``TargetSide.commit``), the drafter at its next sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+from hetspec import vocab
+from hetspec.align import DrafterContext
+from hetspec.config import SamplingParams, SpeculationConfig
+from hetspec.models import KVSession, LanguageModel
+
+
+@dataclass
+class Draft:
+    """One proposal. ``candidates`` are target ids; ``draft_probs`` is [len(candidates), target_vocab] or None."""
+
+    candidates: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    text: bytes = b""  # SLEM: the drafted string, aligned to target ids by ``align``
+    drafter_forwards: int = 0
+
+
+class PairMaps:
+    """Vocabulary relations of one (drafter, target) pair, computed once and shared by requests."""
+
+    def __init__(self, drafter: LanguageModel, target: LanguageModel):
+        self.drafter, self.target = drafter, target
+        self.drafter_table = vocab.token_bytes(drafter.tokenizer)
+        self.target_table = vocab.token_bytes(target.tokenizer)
+        self.same_vocabulary = vocab.same_vocabulary(drafter.tokenizer, target.tokenizer)
+
+    @cached_property
+    def intersection(self) -> torch.Tensor:  # [drafter_vocab] target id or -1
+        return vocab.intersection_map(self.drafter_table, self.target_table, self.drafter.vocab_size)
+
+    @cached_property
+    def intersection_inverse(self) -> torch.Tensor:  # [target_vocab] drafter id or -1
+        return vocab.inverse_map(self.intersection, self.target.vocab_size)
+
+    @cached_property
+    def first_target_token(self) -> torch.Tensor:  # [drafter_vocab] target id or -1
+        return vocab.first_target_token_map(self.drafter_table, self.target.tokenizer, self.drafter.vocab_size)
+
+    def encode_target(self, text: str) -> list[int]:
+        return self.target.encode(text)
+
+
+class DrafterSide:
+    """The drafter's KV session and token context for one request."""
+
+    def __init__(self, drafter: LanguageModel, prompt_ids: list[int], window: int):
+        self.model = drafter
+        self.session: KVSession = drafter.new_session()
+        self.context = DrafterContext(prompt_ids=list(prompt_ids), table=vocab.token_bytes(drafter.tokenizer),
+                                      encode=drafter.encode, window=window)
+        self.forwards = 0
+
+    def sync(self, committed: bytes) -> None:
+        kept = self.context.sync(committed)
+        self.session.rollback(min(self.session.length, kept))
+
+    def next_logits(self) -> torch.Tensor:
+        """Drafter logits after its whole context.  -> [drafter_vocab]"""
+        ids = self.context.ids
+        if self.session.length >= len(ids):  # everything cached: re-feed the last token for its logits
+            self.session.rollback(len(ids) - 1)
+        self.forwards += 1
+        return self.session.extend(ids[self.session.length:], logits_to_keep=1)[0]
+
+    def release(self) -> None:
+        self.session.release()
+
+
+class Algorithm:
+    """Base class: no drafting (the target alone)."""
+
+    name = "ar"
+    exact = True  # verified by exact match (greedy or the target's seeded sample) rather than rejection sampling
+
+    def __init__(self, maps: PairMaps | None, speculation: SpeculationConfig):
+        self.maps = maps
+        self.speculation = speculation
+
+    @property
+    def needs_drafter(self) -> bool:
+        return False
+
+    def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
+              first_position: int) -> Draft:
+        return Draft()
+
+    def align(self, draft: Draft, committed_target_ids: Sequence[int]) -> Draft:
+        return draft
+
+    def _stop_early(self, drafter_probs_max: float, drafted: int) -> bool:
+        threshold = self.speculation.confidence_threshold
+        return drafted > 0 and threshold > 0 and drafter_probs_max < threshold

@@ -1,0 +1,88 @@
+"""Request and engine settings (pydantic: unknown fields rejected, every field described, ranges checked)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Algorithm = Literal["auto", "ar", "sd", "slem", "tli", "slrs"]
+ALGORITHMS: tuple[str, ...] = ("auto", "ar", "sd", "slem", "tli", "slrs")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path):
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class SamplingParams(StrictModel):
+    max_new_tokens: int = Field(128, ge=1, le=32768, description="Most tokens to generate.")
+    temperature: float = Field(0.0, ge=0.0, le=100.0,
+                               description="0 means greedy (exact argmax); above 0 samples from softmax(logits/T).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens before sampling; 0 keeps all.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of mass >= top_p.")
+    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the per-position random stream.")
+    stop: list[str] = Field(default_factory=list, max_length=16,
+                            description="Generation stops before the first occurrence of any of these strings.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stops: list[str]) -> list[str]:
+        for stop in stops:
+            if not stop or len(stop) > 256:
+                raise ValueError("each stop string must have 1 to 256 characters")
+        return stops
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SpeculationConfig(StrictModel):
+    algorithm: Algorithm = Field("auto", description=(
+        "ar: target alone; sd: standard speculative decoding (same vocabulary); slem: string-level exact match; "
+        "tli: token-level intersection; slrs: string-level rejection sampling; auto: sd for identical "
+        "tokenizers, else slem for greedy and tli for sampling."))
+    draft_tokens: int = Field(5, ge=1, le=64, description="Draft length k (the starting value when adaptive).")
+    adaptive: bool = Field(False, description="Grow k by 2 after a fully accepted draft, shrink by 1 after a rejection.")
+    min_draft_tokens: int = Field(1, ge=1, le=64, description="Lower bound of the adaptive k.")
+    max_draft_tokens: int = Field(16, ge=1, le=64, description="Upper bound of the adaptive k.")
+    confidence_threshold: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "Stop a draft early once the drafter's top probability falls below this; 0 disables."))
+    slrs_lookahead: int = Field(1, ge=1, le=4, description=(
+        "Drafter tokens per SLRS proposal; above 1 psi is enumerated exactly over all drafter sequences."))
+    slrs_enumeration_budget: int = Field(65536, ge=1, description=(
+        "Most drafter sequences SLRS may enumerate per proposal; a larger enumeration is refused, never approximated."))
+    alignment_window: int = Field(8, ge=1, le=256, description=(
+        "Committed tokens re-tokenized together with new text (a bounded window, never the whole context)."))
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "SpeculationConfig":
+        if self.min_draft_tokens > self.max_draft_tokens:
+            raise ValueError("min_draft_tokens must not exceed max_draft_tokens")
+        return self
+
+
+class ModelConfig(StrictModel):
+    model: str = Field(description="Short name (smollm2-135m, gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), "
+                                   ".gguf file, local folder or Hugging Face model id.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and activations dtype.")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu, cuda or cuda:N.")
+    threads: int | None = Field(None, ge=1, le=256, description="torch intra-op threads; None keeps torch's default.")

@@ -1,0 +1,262 @@
+"""The in-process decode loop: draft, align, verify, commit; stop conditions, streaming, statistics."""
+
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from hetspec.algorithms import Algorithm, Draft, DrafterSide, PairMaps, make_algorithm
+from hetspec.align import complete_utf8_length
+from hetspec.config import SamplingParams, SpeculationConfig
+from hetspec.models import LanguageModel
+from hetspec.verify import verify_candidates
+from hetspec.vocab import token_bytes
+
+
+@dataclass
+class Stats:
+    algorithm: str = "ar"
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafter_seconds: float = 0.0
+    target_seconds: float = 0.0
+    alignment_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def mean_accepted_per_pass(self) -> float:
+        """Tokens committed per target forward pass (1.0 for the target alone)."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "mean_accepted_per_pass": self.mean_accepted_per_pass,
+                "acceptance_rate": self.acceptance_rate,
+                "tokens_per_second": self.generated_tokens / self.total_seconds if self.total_seconds else 0.0}
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]  # committed by this step
+    text: str  # the text they add; never splits a UTF-8 character
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" on the last event
+    stats: Stats | None = None  # on the last event
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: Stats
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class TargetSide:
+    """The target's KV session and the committed tokens of one request.
+
+    Invariant between steps: the cache holds every committed id but the last one, which is fed again
+    with the next candidates so that one pass yields the logits of all k+1 positions.
+    """
+
+    def __init__(self, target: LanguageModel, prompt_ids: Sequence[int]):
+        self.model = target
+        self.session = target.new_session()
+        self.ids = list(prompt_ids)
+        self.prompt_len = len(self.ids)
+        self.forwards = 0
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+    def logits_for(self, candidates: list[int]) -> torch.Tensor:
+        """Target logits at the k+1 positions after the committed ids and each candidate.  -> [k+1, vocab]"""
+        self.forwards += 1
+        feed = self.ids[self.session.length:] + candidates
+        return self.session.extend(feed, logits_to_keep=len(candidates) + 1)
+
+    def commit(self, candidates: list[int], accepted_len: int, next_token: int) -> list[int]:
+        # Rollback: keep the keys and values of the committed ids and the accepted candidates only.
+        self.session.rollback(len(self.ids) + accepted_len)
+        new_ids = candidates[:accepted_len] + [next_token]
+        self.ids.extend(new_ids)
+        return new_ids
+
+    def verify(self, algorithm: Algorithm, draft: Draft, params: SamplingParams) -> list[int]:
+        first_position = len(self.ids) - self.prompt_len
+        logits = self.logits_for(draft.candidates)
+        accepted_len, next_token = verify_candidates(
+            draft.candidates, draft.draft_probs, logits, params.temperature, params.top_k, params.top_p,
+            params.seed, first_position, exact=algorithm.exact)
+        return self.commit(draft.candidates, accepted_len, next_token)
+
+    def release(self) -> None:
+        self.session.release()
+
+
+class DraftLength:
+    """Draft length policy; it changes speed only, never the output."""
+
+    def __init__(self, speculation: SpeculationConfig):
+        self.speculation = speculation
+        self.k = speculation.draft_tokens
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.speculation.adaptive or drafted == 0:
+            return
+        if accepted == drafted:
+            self.k = min(self.k + 2, self.speculation.max_draft_tokens)
+        else:
+            self.k = max(self.k - 1, self.speculation.min_draft_tokens)
+
+
+class OutputText:
+    """Turns committed ids into text deltas and applies EOS, stop strings and the token budget."""
+
+    def __init__(self, target: LanguageModel, params: SamplingParams):
+        self.table = token_bytes(target.tokenizer)
+        self.eos_ids = set() if params.ignore_eos else set(target.eos_token_ids)
+        self.params = params
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.token_ids: list[int] = []
+        self.generated_bytes = bytearray()
+        self.text = ""
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        return self.table[token_id] or b"" if token_id < len(self.table) else b""
+
+    def add(self, new_ids: list[int]) -> tuple[list[int], str, str | None]:
+        """Returns (ids kept, text delta, finish reason or None)."""
+        finish = None
+        budget = self.params.max_new_tokens - len(self.token_ids)
+        if len(new_ids) >= budget:
+            new_ids, finish = new_ids[:budget], "length"
+        for index, token_id in enumerate(new_ids):
+            if token_id in self.eos_ids:
+                new_ids, finish = new_ids[:index + 1], "stop"
+                break
+        start_chars = len(self.text)
+        start_tokens = len(self.token_ids)
+        for token_id in new_ids:
+            piece = self._bytes_of(token_id)
+            self.generated_bytes += piece
+            self.text += self.decoder.decode(piece)
+        self.token_ids.extend(new_ids)
+        if finish:
+            self.text += self.decoder.decode(b"", final=True)
+        stop_at = self._find_stop(start_chars)
+        if stop_at is not None:
+            self.text, finish = self.text[:stop_at], "stop"
+            self._drop_tokens_after(len(self.text.encode("utf-8")))
+        return self.token_ids[start_tokens:], self.text[start_chars:], finish
+
+    def _find_stop(self, start_chars: int) -> int | None:
+        found = None
+        for stop in self.params.stop:
+            index = self.text.find(stop, max(0, start_chars - len(stop) + 1))
+            if index >= 0 and (found is None or index < found):
+                found = index
+        return found
+
+    def _drop_tokens_after(self, byte_length: int) -> None:
+        """Keep the tokens that start before the stop string."""
+        offset, kept = 0, 0
+        for token_id in self.token_ids:
+            if offset >= byte_length:
+                break
+            offset += len(self._bytes_of(token_id))
+            kept += 1
+        del self.token_ids[kept:]
+
+
+class Engine:
+    """Target plus optional drafter, in this process. ``stream`` and ``generate`` are the public calls."""
+
+    def __init__(self, target: LanguageModel, drafter: LanguageModel | None = None,
+                 speculation: SpeculationConfig | None = None):
+        self.target = target
+        self.drafter = drafter
+        self.speculation = speculation or SpeculationConfig()
+        self.maps = PairMaps(drafter, target) if drafter is not None else None
+
+    def prompt_ids(self, prompt: str | None, messages: list[dict[str, str]] | None,
+                   model: LanguageModel) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        if messages is not None:
+            return model.encode_chat(messages)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return model.encode_prompt(prompt)
+
+    def stream(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+               messages: list[dict[str, str]] | None = None,
+               speculation: SpeculationConfig | None = None) -> Iterator[StreamEvent]:
+        params = params or SamplingParams()
+        speculation = speculation or self.speculation
+        algorithm = make_algorithm(speculation.algorithm, self.maps, speculation, params)
+        started = time.perf_counter()
+        target_side = TargetSide(self.target, self.prompt_ids(prompt, messages, self.target))
+        drafter_side = None
+        if algorithm.needs_drafter:
+            drafter_side = DrafterSide(self.drafter, self.prompt_ids(prompt, messages, self.drafter),
+                                       speculation.alignment_window)
+        stats = Stats(algorithm=algorithm.name, prompt_tokens=target_side.prompt_len)
+        output = OutputText(self.target, params)
+        policy = DraftLength(speculation)
+        try:
+            while True:
+                remaining = params.max_new_tokens - len(output.token_ids)
+                committed = bytes(output.generated_bytes)
+                k = min(policy.k, remaining - 1)
+                draft = Draft()
+                if drafter_side is not None and k > 0 and complete_utf8_length(committed) == len(committed):
+                    tick = time.perf_counter()
+                    draft = algorithm.draft(drafter_side, committed, k, params, len(output.token_ids))
+                    tock = time.perf_counter()
+                    draft = algorithm.align(draft, target_side.ids)
+                    stats.drafter_seconds += tock - tick
+                    stats.alignment_seconds += time.perf_counter() - tock
+                    stats.drafter_forwards += draft.drafter_forwards
+                tick = time.perf_counter()
+                new_ids = target_side.verify(algorithm, draft, params)
+                stats.target_seconds += time.perf_counter() - tick
+                stats.target_forwards += 1
+                stats.drafted_tokens += len(draft.candidates)
+                stats.accepted_tokens += len(new_ids) - 1
+                policy.update(len(draft.candidates), len(new_ids) - 1)
+                kept_ids, delta, finish = output.add(new_ids)
+                stats.generated_tokens = len(output.token_ids)
+                if finish:
+                    stats.total_seconds = time.perf_counter() - started
+                    yield StreamEvent(kept_ids, delta, finish, stats)
+                    return
+                yield StreamEvent(kept_ids, delta)
+        finally:
+            target_side.release()
+            if drafter_side is not None:
+                drafter_side.release()
+
+    def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                 messages: list[dict[str, str]] | None = None,
+                 speculation: SpeculationConfig | None = None) -> GenerationResult:
+        token_ids: list[int] = []
+        pieces: list[str] = []
+        for event in self.stream(prompt, params, messages=messages, speculation=speculation):
+            token_ids.extend(event.token_ids)
+            pieces.append(event.text)
+            if event.finish_reason:
+                return GenerationResult("".join(pieces), token_ids, event.finish_reason, event.stats)
+        raise AssertionError("the stream ended without a finish reason")

@@ -1,0 +1,179 @@
+"""Causal language models with an incremental KV cache and explicit rollback.
+
+``load_model`` accepts a built-in short name (see ``registry``), a ``.gguf`` file, a local model
+folder or a Hugging Face model id. ``KVSession`` holds one request's cache: ``extend`` feeds new
+tokens and returns their logits, ``rollback`` cuts the cache back to any earlier length.
+
+Rollback uses a ``DynamicCache`` built without the model config, so every layer, Gemma 3's
+sliding-window layers included, keeps full-length keys and values. The model still applies its own
+sliding-window mask (the mask is computed from the config, not from the cache layout), so logits are
+those of the model; the price is cache memory that grows with the context instead of being capped
+at the window, which is what lets a rejected draft be rolled back at any context length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+
+from hetspec import registry
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LanguageModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    vocab_size: int  # width of the logits; may exceed len(tokenizer) (padded embedding rows)
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def new_session(self) -> "KVSession":
+        return KVSession(self)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a prompt, with the BOS token this model's tokenizer is configured to add."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"model {self.name} has no chat template; send a plain prompt instead")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+
+class KVSession:
+    """One request's KV cache on one model. ``length`` tokens are in the cache."""
+
+    def __init__(self, language_model: LanguageModel):
+        self.language_model = language_model
+        self.cache = DynamicCache()  # no config: full-length layers everywhere, see module docstring
+        self.length = 0
+
+    @torch.inference_mode()
+    def extend(self, token_ids: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
+        """Feed ``token_ids`` after the cached ones; return float32 logits  # [kept, vocab_size]
+
+        Row i of the result predicts the token after ``token_ids[len(token_ids) - kept + i]``.
+        """
+        if not token_ids:
+            raise ValueError("extend needs at least one token")
+        kept = len(token_ids) if logits_to_keep is None else logits_to_keep
+        model = self.language_model.model
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.language_model.device)
+        output = model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=kept)
+        self.length += len(token_ids)
+        return output.logits[0, -kept:, :].float()
+
+    def rollback(self, length: int) -> None:
+        """Drop every cached token after the first ``length`` (a rejected draft's keys and values)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
+        if length < self.length:
+            self.cache.crop(length - self.length)  # transformers >= 5.24 takes a negative count to remove
+            self.length = length
+
+    def release(self) -> None:
+        self.cache = DynamicCache()
+        self.length = 0
+
+
+def _conversion_dir(gguf_path: Path, kind: str) -> Path:
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{gguf_path.stat().st_size}".encode()).hexdigest()[:16]
+    return registry.cache_dir() / "converted" / f"{key}-{kind}"
+
+
+def _load_gguf(gguf_path: Path, dtype: str) -> tuple[PreTrainedTokenizerBase, torch.nn.Module]:
+    """GGUF conversion is slow (Gemma's 262k-token tokenizer ~25 s, de-quantisation up to a minute):
+    do it once per file and dtype, keep the result as a transformers folder, load that afterwards."""
+    tokenizer_dir = _conversion_dir(gguf_path, "tokenizer")
+    if (tokenizer_dir / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        _save_atomically(tokenizer, tokenizer_dir)
+    model_dir = _conversion_dir(gguf_path, dtype)
+    if (model_dir / "config.json").exists():
+        return tokenizer, AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=DTYPES[dtype])
+    # The weights are de-quantised by now; the GGUF "quantizer" left on the model only blocks saving.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _save_atomically(model, model_dir)
+    del model
+    # Every load, the first included, reads the converted folder, so every process computes the same logits.
+    return tokenizer, AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+
+
+def _save_atomically(obj, folder: Path) -> None:
+    """Several processes (Ray actors, test workers) may convert the same file at once: write, then rename."""
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    obj.save_pretrained(partial)
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished first; its copy is as good as ours
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def resolve_source(spec: str, progress: Callable[[str], None] | None = None) -> tuple[str, str | None]:
+    """Map a model spec to (``from_pretrained`` location, GGUF file name or None)."""
+    if spec in registry.OFFLINE_MODELS:
+        path = registry.resolve(spec, progress)
+        return str(path.parent), path.name
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {spec} does not exist")
+        return str(path.parent), path.name
+    if path.is_dir():
+        return str(path), None
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return spec, None  # a Hugging Face model id
+    known = ", ".join(sorted(registry.OFFLINE_MODELS))
+    raise ValueError(f"model {spec!r} is not a short name ({known}), a .gguf file, a folder or a hub id")
+
+
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: int | None = None,
+               progress: Callable[[str], None] | None = None) -> LanguageModel:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for but CUDA is not available")
+    if threads:
+        torch.set_num_threads(threads)
+    location, gguf_file = resolve_source(spec, progress)
+    if progress:
+        progress(f"hetspec: loading {spec} ({dtype}, {device}) ...")
+    if gguf_file:
+        tokenizer, model = _load_gguf(Path(location) / gguf_file, dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=DTYPES[dtype])
+    model.to(device).eval()
+    eos_ids = set()
+    configured = model.generation_config.eos_token_id if model.generation_config else None
+    for candidate in (configured if isinstance(configured, list) else [configured]) + [tokenizer.eos_token_id]:
+        if candidate is not None:
+            eos_ids.add(int(candidate))
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    return LanguageModel(name=spec, model=model, tokenizer=tokenizer, device=torch.device(device),
+                         vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids))

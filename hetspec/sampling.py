@@ -1,0 +1,74 @@
+"""Logits to probabilities, and counter-based per-position randomness.
+
+Every random number is a pure function of (seed, stream, position), so the noise used for the token
+at output position n does not depend on how many drafts came before it. That is what lets SLEM with
+seed s reproduce the target alone with seed s token for token (DESIGN.md, "Sampling note").
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+class Stream(IntEnum):
+    TARGET = 1  # the target's own choice at a position (ar, SLEM verification, bonus tokens)
+    DRAFT = 2  # the drafter's sample
+    ACCEPT = 3  # the accept/reject coin of rejection sampling
+    RESIDUAL = 4  # the sample from the residual distribution after a rejection
+
+
+def _splitmix64(state: int) -> int:
+    state = (state + 0x9E3779B97F4A7C15) & _MASK64
+    mixed = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    mixed = ((mixed ^ (mixed >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return mixed ^ (mixed >> 31)
+
+
+def uniform(seed: int, stream: Stream, position: int) -> float:
+    """A uniform number in [0, 1) determined by (seed, stream, position) alone."""
+    state = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ int(stream)) ^ position)
+    return (state >> 11) * (1.0 / (1 << 53))
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Sampling distribution after temperature, top-k and top-p.  logits: [..., vocab] -> probs [..., vocab]"""
+    if temperature <= 0:
+        raise ValueError("greedy decoding takes the argmax; it has no sampling distribution")
+    scaled = logits.float() / temperature
+    if top_k and top_k < scaled.shape[-1]:
+        kth_largest = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the token crossing top_p stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample of one token.  probs: [vocab], need not be normalised."""
+    cumulative = torch.cumsum(probs.double(), dim=0)
+    index = int(torch.searchsorted(cumulative, u * float(cumulative[-1]), right=True))
+    index = min(index, probs.shape[0] - 1)
+    while probs[index] <= 0 and index > 0:  # u landed on the right edge of the mass: step back onto it
+        index -= 1
+    return index
+
+
+def target_choice(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int, position: int) -> int:
+    """The target's own token at output position ``position``.  logits: [vocab]
+
+    Greedy is an exact argmax; sampling uses the TARGET stream at that position, the same number the
+    target-only decoder would use there.
+    """
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    return sample_from(probs, uniform(seed, Stream.TARGET, position))
