@@ -82,6 +82,9 @@ class AppConfig(StrictModel):
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig, description=(
         "Serve autoscaling of the coordinator on ongoing requests."))
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits.")
+    chat_template: str | None = Field(None, description=(
+        "Jinja chat template for a model whose tokenizer has none (a base model), so chat requests still work; "
+        "a model's own template always wins."))
 
     @model_validator(mode="after")
     def _gpu_devices(self) -> "AppConfig":
