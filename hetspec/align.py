@@ -123,6 +123,8 @@ class DrafterContext:
         if keep == len(self.generated_ids) and start == len(committed):
             return len(self.ids)
         anchor = max(0, keep - self.window)
+        while anchor and complete_utf8_length(committed[:self.ends[anchor - 1]]) != self.ends[anchor - 1]:
+            anchor -= 1  # a byte token ends inside a character there: re-tokenize from a character boundary
         anchor_offset = self.ends[anchor - 1] if anchor else 0
         encoded = self.encode(committed[anchor_offset:].decode("utf-8")) if anchor_offset < len(committed) else []
         agreeing = 0

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
+@dataclass(repr=False)
 class LanguageModel:
     name: str
     model: torch.nn.Module
@@ -39,6 +39,9 @@ class LanguageModel:
     device: torch.device
     vocab_size: int  # width of the logits; may exceed len(tokenizer) (padded embedding rows)
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __repr__(self) -> str:
+        return f"LanguageModel({self.name!r}, vocab_size={self.vocab_size}, device={self.device})"
 
     def new_session(self) -> "KVSession":
         return KVSession(self)

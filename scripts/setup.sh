@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install hetspec with its serving and test extras. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --disable-pip-version-check --upgrade pip
+# torch first and pinned: on this CPU machine pip takes the local CPU wheel; an unpinned torch pulls a CUDA build.
+python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+python -m pip install --quiet --disable-pip-version-check -e ".[serve,dev]"
+python -m pip check
