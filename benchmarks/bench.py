@@ -1,0 +1,221 @@
+"""Benchmark hetspec's algorithms against the target alone and transformers' assisted generation.
+
+    python -m benchmarks.bench --pair realistic --task humaneval --num-prompts 5 --max-new-tokens 128 \
+        --draft-tokens 3 5 --adaptive --out benchmarks/results/realistic-humaneval
+
+All methods run in one process on the same loaded models, after a warm-up, interleaved prompt by
+prompt (the method order rotates between prompts so no method always runs first). Writes
+results.json, results.md, speedup.png and acceptance.png to the output folder. benchmarks/README.md
+explains every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks import analysis, plots, report
+from benchmarks.meter import cost_sizes, pass_costs
+from benchmarks.methods import FAMILIES, MethodSpec, RunRecord, Runner, build_methods
+from benchmarks.prompts import TASKS, PromptCase, load_prompts
+from hetspec import Engine, SamplingParams, load_model
+
+PAIRS = {  # label: (target, drafter, dtype), see ../shared/MODELS.md
+    "small": ("gemma3-270m", "smollm2-135m", "float32"),
+    "realistic": ("qwen2.5-coder-1.5b", "smollm2-135m", "bfloat16"),
+    "same-vocab": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "bfloat16"),
+}
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hetspec bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="realistic", help="model pair (MODELS.md)")
+    parser.add_argument("--target", help="target model (short name, .gguf, folder or hub id); overrides --pair")
+    parser.add_argument("--drafter", help="drafter model; overrides --pair")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the pair's")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--task", choices=TASKS, default="humaneval")
+    parser.add_argument("--num-prompts", type=int, default=3)
+    parser.add_argument("--prompt-offset", type=int, default=0, help="skip this many prompts of the set")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--algorithms", default=",".join(FAMILIES),
+                        help=f"comma-separated, from {','.join(FAMILIES)} (sd only runs for a same-vocabulary pair)")
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[3, 5], help="fixed draft lengths k")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also run hetspec's adaptive draft length (starting at the largest k)")
+    parser.add_argument("--hf-drafts", nargs="+",
+                        help="hf-assisted settings: default, heuristic or numbers (default: default + --draft-tokens)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat", action="store_true", help="wrap prompts in the models' chat templates")
+    parser.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up run of each method")
+    parser.add_argument("--cost-repeats", type=int, default=3,
+                        help="repeats of each isolated per-pass cost measurement; 0 skips the ideal speedup")
+    parser.add_argument("--note", default="", help="a remark stored with the results (e.g. machine load)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<pair>-<task>-<date>)")
+    return parser.parse_args(argv)
+
+
+def resolve_models(args: argparse.Namespace) -> tuple[str, str, str, str]:
+    """(label, target, drafter, dtype)."""
+    target, drafter, dtype = PAIRS[args.pair]
+    label = args.pair
+    if args.target or args.drafter:
+        label = "custom"
+        target, drafter = args.target or target, args.drafter or drafter
+    return label, target, drafter, args.dtype or dtype
+
+
+def warm_up(runner: Runner, methods: list[MethodSpec], case: PromptCase, tokens: int) -> None:
+    if tokens <= 0:
+        return
+    for spec in tqdm(methods, desc="warm-up", leave=False):
+        runner.run(spec, case, max_new_tokens=tokens)
+
+
+def measure_costs(runner: Runner, case: PromptCase, records: list[RunRecord], repeats: int) -> dict:
+    """Isolated per-pass costs of both models at this prompt's mid-generation context."""
+    reference = next(record for record in records if record.method == "ar").token_ids
+    half = len(reference) // 2
+    target_context = runner.prompt_ids(case) + reference[:half]
+    later = [call.tokens for record in records for call in record.target_calls[1:]]
+    costs = {"target": pass_costs(runner.target, target_context, reference[half:], cost_sizes(later), repeats,
+                                  logits_rows="all")}
+    drafter_later = [call.tokens for record in records for call in record.drafter_calls[1:]]
+    if runner.drafter is not None and drafter_later:
+        drafter = runner.drafter
+        text = runner.target.tokenizer.decode(reference, skip_special_tokens=True)
+        continuation = drafter.encode(text)
+        context = drafter.encode_prompt(case.text) + continuation[:len(continuation) // 2]
+        costs["drafter"] = pass_costs(drafter, context, continuation[len(continuation) // 2:],
+                                      cost_sizes(drafter_later), repeats, logits_rows="last")
+    else:
+        costs["drafter"] = {1: 0.0}
+    return costs
+
+
+def top2_margin(runner: Runner, prompt_ids: list[int], generated: list[int]) -> tuple[float, list[int]]:
+    """The target's top-1 minus top-2 logit after ``prompt_ids + generated`` (one prefill)."""
+    session = runner.target.new_session()
+    try:
+        logits = session.extend(prompt_ids + generated, logits_to_keep=1)[0]
+    finally:
+        session.release()
+    top = torch.topk(logits, 2)
+    return float(top.values[0] - top.values[1]), top.indices.tolist()
+
+
+def find_divergences(runner: Runner, cases: list[PromptCase], records: list[RunRecord],
+                     greedy: bool) -> dict[str, list[dict | None]]:
+    """Per method, per prompt: None when the output equals ar's, else where it first differs and why."""
+    by_key = {(record.prompt_id, record.method): record for record in records}
+    result: dict[str, list[dict | None]] = {}
+    for record in records:
+        reference = by_key.get((record.prompt_id, "ar"))
+        if reference is None or record.method == "ar":
+            continue
+        position = analysis.first_difference(reference.token_ids, record.token_ids)
+        item = None
+        if position is not None:
+            item = {"prompt_id": record.prompt_id, "position": position,
+                    "reference_token": reference.token_ids[position] if position < len(reference.token_ids) else None,
+                    "method_token": record.token_ids[position] if position < len(record.token_ids) else None}
+            if greedy and item["reference_token"] is not None:
+                case = next(case for case in cases if case.prompt_id == record.prompt_id)
+                margin, top2 = top2_margin(runner, runner.prompt_ids(case), reference.token_ids[:position])
+                item.update(target_top2_margin=margin, target_top2_ids=top2)
+        result.setdefault(record.method, []).append(item)
+    return result
+
+
+def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path]:
+    label, target_spec, drafter_spec, dtype = resolve_models(args)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    cases = load_prompts(args.task, args.num_prompts, args.prompt_offset)
+    meta = report.provenance(argv, args.device)  # before loading: the load average says how busy the machine was
+    progress = lambda message: print(message, file=sys.stderr)  # noqa: E731
+    target = load_model(target_spec, dtype=dtype, device=args.device, threads=args.threads, progress=progress)
+    drafter = load_model(drafter_spec, dtype=dtype, device=args.device, threads=args.threads, progress=progress)
+    meta["machine"]["torch_threads"] = torch.get_num_threads()
+    engine = Engine(target, drafter)
+    same_vocabulary = engine.maps.same_vocabulary
+    families = [name.strip() for name in args.algorithms.split(",") if name.strip()]
+    hf_drafts = args.hf_drafts or ["default", *map(str, args.draft_tokens)]
+    methods = build_methods(families, args.draft_tokens, args.adaptive, hf_drafts, same_vocabulary)
+    runner = Runner(engine, params, args.chat, same_vocabulary, adaptive_start=max(args.draft_tokens))
+    records: list[RunRecord] = []
+    costs: dict[str, dict] = {}
+    try:
+        warm_up(runner, methods, cases[0], args.warmup_tokens)
+        with tqdm(total=len(cases) * len(methods), desc="runs") as bar:
+            for index, case in enumerate(cases):
+                order = methods[index % len(methods):] + methods[:index % len(methods)]
+                prompt_records = []
+                for spec in order:
+                    bar.set_postfix_str(f"{case.prompt_id} {spec.name}")
+                    prompt_records.append(runner.run(spec, case))
+                    bar.update()
+                prompt_records.sort(key=lambda record: [spec.name for spec in methods].index(record.method))
+                records += prompt_records
+                if args.cost_repeats > 0 and any(record.method == "ar" for record in prompt_records):
+                    costs[case.prompt_id] = measure_costs(runner, case, prompt_records, args.cost_repeats)
+        divergences = find_divergences(runner, cases, records, params.greedy)
+    finally:
+        runner.close()
+    summary = analysis.summarize(records, divergences, costs or None)
+    settings = {"pair_label": label, "target": target_spec, "drafter": drafter_spec, "dtype": dtype,
+                "device": args.device, "task": args.task, "num_prompts": len(cases), "prompt_offset": args.prompt_offset,
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                "top_p": args.top_p, "seed": args.seed, "chat": args.chat, "draft_tokens": args.draft_tokens,
+                "adaptive": args.adaptive, "same_vocabulary": same_vocabulary, "methods": [m.name for m in methods],
+                "hf_assisted_settings": {draft: runner.effective_assistant_settings(draft) for draft in hf_drafts}}
+    result = {"meta": meta, "settings": settings, "note": args.note, "headline": analysis.headline(summary),
+              "summary": summary,
+              "prompts": [{"prompt_id": case.prompt_id, "task": case.task,
+                           "prompt_tokens": len(runner.prompt_ids(case))} for case in cases],
+              "pass_costs": {prompt: {model: {str(size): seconds for size, seconds in table.items()}
+                                      for model, table in tables.items()} for prompt, tables in costs.items()},
+              "runs": [{**asdict(record), **analysis.run_metrics(record)} for record in records]}
+    folder = args.out or RESULTS_DIR / f"{label}-{args.task}-{dtype}-{datetime.datetime.now():%Y%m%d-%H%M}"
+    return result, folder
+
+
+def write_results(result: dict, folder: Path, with_plots: bool) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (folder / "results.md").write_text(report.markdown(result))
+    written = [folder / "results.json", folder / "results.md"]
+    if with_plots:
+        written += [folder / name for name in plots.write_plots(result, folder)]
+    return written
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Entry point of ``python -m benchmarks.bench`` and ``hetspec bench``; returns the result dict."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # generation-config notices on every call would bury the progress bars
+    result, folder = run_benchmark(args, argv)
+    for path in write_results(result, folder, not args.no_plots):
+        print(path)
+    print(report.summary_table(result["summary"]))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Where a result came from (command, commit, machine, date) and its Markdown rendering."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str) -> dict:
+    info = {"cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": device,
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def provenance(argv: list[str], device: str) -> dict:
+    status = _git("status", "--porcelain", "--", "hetspec", "benchmarks")
+    return {"command": " ".join(shlex.quote(part) for part in [sys.executable, "-m", "benchmarks.bench", *argv]),
+            "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(device)}
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+COLUMNS = [("method", "method", 0), ("tokens_per_second", "tok/s", 2), ("speedup_vs_ar_median", "speedup (median)", 2),
+           ("speedup_vs_ar_geomean", "speedup (geo)", 2), ("ms_per_token", "ms/token", 1),
+           ("tokens_per_target_pass", "tokens/target pass", 2), ("acceptance_rate", "acceptance", 2),
+           ("drafter_share", "drafter share", 2), ("other_ms_per_token", "other ms/token", 1),
+           ("ideal_speedup_geomean", "ideal speedup", 2), ("efficiency_geomean", "measured/ideal", 2),
+           ("output_identical_to_ar", "same as ar", 0)]
+
+
+def summary_table(summary: list[dict]) -> str:
+    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+             "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for row in summary:
+        lines.append("| " + " | ".join(_fmt(row[key], digits) for key, _, digits in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def divergence_lines(summary: list[dict]) -> list[str]:
+    lines = []
+    for row in summary:
+        for item in row["divergences"]:
+            margin = item.get("target_top2_margin")
+            lines.append(f"- {row['method']} on {item['prompt_id']}: first differs at output position "
+                         f"{item['position']} (ar token {item['reference_token']}, this run "
+                         f"{item['method_token']}); target top-2 logit margin there: {_fmt(margin, 4)}")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    meta, settings, head = result["meta"], result["settings"], result["headline"]
+    machine = meta["machine"]
+    out = [f"# hetspec benchmark: {settings['pair_label']}, {settings['task']}", "",
+           f"- target `{settings['target']}`, drafter `{settings['drafter']}`, {settings['dtype']}, "
+           f"device {settings['device']}",
+           f"- {settings['num_prompts']} prompts, {settings['max_new_tokens']} new tokens, "
+           f"temperature {settings['temperature']}, chat template: {settings['chat']}",
+           f"- machine: {machine['cpu_model']}, {machine['cpu_cores']} cores, torch threads "
+           f"{machine['torch_threads']}{', GPU ' + machine['gpu'] if machine.get('gpu') else ''}; "
+           f"load average at start {machine.get('load_average')}",
+           f"- date {meta['date']}, commit {meta['git_commit']}{' (uncommitted changes)' if meta['git_dirty'] else ''}",
+           f"- command: `{meta['command']}`", ""]
+    if result.get("note"):
+        out += [f"> {result['note']}", ""]
+    out += [summary_table(result["summary"]), "",
+            "speedup: per-prompt tokens/s over `ar` (hetspec, target alone). ideal speedup: what the measured "
+            "acceptance and the isolated per-pass costs allow; measured/ideal is the implementation efficiency. "
+            "See benchmarks/README.md.", ""]
+    if head["best_hetspec"]:
+        out += ["## Against the issue's targets", "",
+                f"- best hetspec: {head['best_hetspec']}: {_fmt(head['speedup_vs_ar'])}x over ar "
+                f"(target >= {head['targets']['speedup_vs_ar']})",
+                f"- best transformers assisted: {head['best_hf_assisted']}: {_fmt(head['hf_assisted_speedup_vs_ar'])}x; "
+                f"hetspec / transformers = {_fmt(head['speedup_vs_best_hf_assisted'])} "
+                f"(target >= {head['targets']['speedup_vs_best_hf_assisted']})",
+                f"- measured / ideal speedup of the best hetspec method: {_fmt(head['efficiency'])} "
+                f"(target >= {head['targets']['efficiency']})", ""]
+    diverged = divergence_lines(result["summary"])
+    if diverged:
+        out += ["## Outputs that differ from ar", "", *diverged, ""]
+    return "\n".join(out)
