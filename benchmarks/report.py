@@ -44,9 +44,9 @@ def machine_info(device: str) -> dict:
     return info
 
 
-def provenance(argv: list[str], device: str) -> dict:
+def provenance(argv: list[str], device: str, module: str = "benchmarks.bench") -> dict:
     status = _git("status", "--porcelain", "--", "hetspec", "benchmarks")
-    return {"command": " ".join(shlex.quote(part) for part in [sys.executable, "-m", "benchmarks.bench", *argv]),
+    return {"command": " ".join(shlex.quote(part) for part in [sys.executable, "-m", module, *argv]),
             "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(device)}

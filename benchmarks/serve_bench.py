@@ -1,0 +1,302 @@
+"""Load test of a running hetspec server (``serve run deployments/config.yaml``) over gRPC and HTTP.
+
+    python -m benchmarks.serve_bench --protocol both --concurrency 1 4 8 --requests 16 --label pipelined-1replica
+
+N closed-loop clients (each sends its next request when the last one finished) stream completions
+from the gRPC API (``hetspec.v1.HetSpec/GenerateStream``, port 9000) or the OpenAI-compatible HTTP API
+(``/v1/completions`` with ``stream: true``, port 8000). It talks only to those public APIs.
+Reported per protocol and concurrency: output tokens/s over the whole run, requests/s, time to first
+token (TTFT), time per output token after the first (TPOT, one value per request), per-token latency
+(each streamed chunk's gap spread over the tokens it carries) as p50/p99, and the server's acceptance
+statistics. Pipelined vs not is a request option (``--pipelined on|off``); one vs two replicas, or
+another pair, is a change of the Serve config (benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from benchmarks import report
+from benchmarks.prompts import TASKS, load_prompts
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class RequestOptions:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    algorithm: str = ""  # empty: the server's default
+    draft_tokens: int | None = None
+    pipelined: bool | None = None  # None: the server's default
+
+
+@dataclass
+class RequestTiming:
+    protocol: str
+    prompt_id: str
+    seconds: float = 0.0  # request sent to last byte
+    first_token_seconds: float | None = None
+    tokens: int = 0
+    token_latencies: list[float] = field(default_factory=list)  # seconds per token, from chunk gaps
+    stats: dict | None = None
+    error: str | None = None
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.first_token_seconds is None or self.tokens < 2:
+            return None
+        return (self.seconds - self.first_token_seconds) / (self.tokens - 1)
+
+
+class ChunkClock:
+    """Turns the arrival of streamed chunks into TTFT and per-token latencies."""
+
+    def __init__(self, timing: RequestTiming):
+        self.timing = timing
+        self.started = self.last = time.perf_counter()
+
+    def chunk(self, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        now = time.perf_counter()
+        if self.timing.first_token_seconds is None:
+            self.timing.first_token_seconds = now - self.started
+        else:
+            self.timing.token_latencies.extend([(now - self.last) / tokens] * tokens)
+        self.last = now
+        self.timing.tokens += tokens
+
+    def done(self) -> RequestTiming:
+        self.timing.seconds = time.perf_counter() - self.started
+        return self.timing
+
+
+def http_body(model: str, prompt: str, options: RequestOptions) -> dict:
+    extension = {"algorithm": options.algorithm or None, "draft_tokens": options.draft_tokens,
+                 "pipelined": options.pipelined}
+    return {"model": model, "prompt": prompt, "max_tokens": options.max_new_tokens,
+            "temperature": options.temperature, "stream": True, "stream_options": {"include_usage": True},
+            "hetspec": {key: value for key, value in extension.items() if value is not None}}
+
+
+async def http_request(client, model: str, prompt_id: str, prompt: str, options: RequestOptions) -> RequestTiming:
+    """One streamed ``/v1/completions`` request; ``client`` is an ``httpx.AsyncClient`` with the base URL."""
+    timing = RequestTiming("http", prompt_id)
+    clock = ChunkClock(timing)
+    async with client.stream("POST", "/v1/completions", json=http_body(model, prompt, options)) as response:
+        if response.status_code != 200:
+            timing.error = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
+            return clock.done()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            body = json.loads(line[len("data: "):])
+            if "error" in body:
+                timing.error = body["error"].get("message", str(body["error"]))
+                continue
+            extension = body.get("hetspec") or {}
+            clock.chunk(len(extension.get("token_ids", [])))
+            if extension.get("stats"):
+                timing.stats = extension["stats"]
+    return clock.done()
+
+
+def grpc_request_message(prompt: str, options: RequestOptions):
+    from protos.hetspec.v1 import hetspec_pb2 as pb
+
+    fields = {"prompt": prompt, "max_new_tokens": options.max_new_tokens, "temperature": options.temperature,
+              "algorithm": options.algorithm}
+    if options.draft_tokens is not None:
+        fields["draft_tokens"] = options.draft_tokens
+    if options.pipelined is not None:
+        fields["pipelined"] = options.pipelined
+    return pb.GenerateRequest(**fields)
+
+
+async def grpc_request(stub, metadata, prompt_id: str, prompt: str, options: RequestOptions) -> RequestTiming:
+    """One ``GenerateStream`` call; ``stub`` is a ``HetSpecStub`` on a ``grpc.aio`` channel."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    timing = RequestTiming("grpc", prompt_id)
+    clock = ChunkClock(timing)
+    try:
+        async for response in stub.GenerateStream(grpc_request_message(prompt, options), metadata=metadata):
+            clock.chunk(len(response.token_ids))
+            if response.finish_reason and response.HasField("stats"):
+                timing.stats = MessageToDict(response.stats, preserving_proto_field_name=True)
+    except grpc.aio.AioRpcError as error:
+        timing.error = f"{error.code().name}: {error.details()}"
+    return clock.done()
+
+
+Send = Callable[[str, str], Awaitable[RequestTiming]]
+
+
+async def run_load(send: Send, prompts: list[tuple[str, str]], concurrency: int,
+                   total_requests: int) -> tuple[list[RequestTiming], float]:
+    """``concurrency`` closed-loop clients share ``total_requests`` requests (prompts in turn)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for index in range(total_requests):
+        queue.put_nowait(prompts[index % len(prompts)])
+    timings: list[RequestTiming] = []
+
+    async def client() -> None:
+        while not queue.empty():
+            prompt_id, prompt = queue.get_nowait()
+            timings.append(await send(prompt_id, prompt))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return timings, time.perf_counter() - started
+
+
+def _percentiles(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"p50": None, "p99": None}
+    return {"p50": float(np.percentile(values, 50)) * scale, "p99": float(np.percentile(values, 99)) * scale}
+
+
+def summarize_load(protocol: str, concurrency: int, timings: list[RequestTiming], wall: float) -> dict:
+    good = [timing for timing in timings if timing.error is None]
+    tokens = sum(timing.tokens for timing in good)
+    stats = [timing.stats for timing in good if timing.stats]
+    return {
+        "protocol": protocol, "concurrency": concurrency, "requests": len(timings),
+        "errors": len(timings) - len(good), "wall_seconds": wall, "output_tokens": tokens,
+        "tokens_per_second": tokens / wall if wall else 0.0, "requests_per_second": len(good) / wall if wall else 0.0,
+        "ttft_ms": _percentiles([t.first_token_seconds for t in good if t.first_token_seconds is not None]),
+        "tpot_ms": _percentiles([t.time_per_output_token for t in good if t.time_per_output_token is not None]),
+        "token_latency_ms": _percentiles([latency for t in good for latency in t.token_latencies]),
+        "acceptance_rate": float(np.mean([s.get("acceptance_rate", 0.0) for s in stats])) if stats else None,
+        "tokens_per_target_pass": float(np.mean([s.get("mean_accepted_per_pass", 0.0) for s in stats])) if stats else None,
+        "first_error": next((t.error for t in timings if t.error), None),
+    }
+
+
+def markdown(result: dict) -> str:
+    meta, settings = result["meta"], result["settings"]
+    lines = [f"# hetspec serving benchmark: {settings['label']}", "",
+             f"- grpc {settings['grpc']}, http {settings['http']}, model {settings['model']}",
+             f"- {settings['requests']} requests per level, {settings['max_new_tokens']} new tokens, task "
+             f"{settings['task']}, options {settings['options']}",
+             f"- machine {meta['machine']['cpu_model']}, {meta['machine']['cpu_cores']} cores; date {meta['date']}, "
+             f"commit {meta['git_commit']}", f"- command: `{meta['command']}`", ""]
+    if result.get("note"):
+        lines += [f"> {result['note']}", ""]
+    lines += ["| protocol | clients | requests | errors | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+              "TPOT p99 ms | token p50 ms | token p99 ms | acceptance | tokens/target pass |",
+              "|" + "---|" * 14]
+    for row in result["levels"]:
+        def number(value, digits=1):
+            return "-" if value is None else f"{value:.{digits}f}"
+        lines.append(f"| {row['protocol']} | {row['concurrency']} | {row['requests']} | {row['errors']} | "
+                     f"{number(row['tokens_per_second'], 2)} | {number(row['requests_per_second'], 3)} | "
+                     f"{number(row['ttft_ms']['p50'])} | {number(row['ttft_ms']['p99'])} | "
+                     f"{number(row['tpot_ms']['p50'])} | {number(row['tpot_ms']['p99'])} | "
+                     f"{number(row['token_latency_ms']['p50'])} | {number(row['token_latency_ms']['p99'])} | "
+                     f"{number(row['acceptance_rate'], 2)} | {number(row['tokens_per_target_pass'], 2)} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--protocol", choices=["grpc", "http", "both"], default="both")
+    parser.add_argument("--grpc", default="127.0.0.1:9000", help="host:port of Serve's gRPC proxy")
+    parser.add_argument("--http", default="http://127.0.0.1:8000", help="base URL of the HTTP proxy")
+    parser.add_argument("--application", help="Serve application name, sent as gRPC 'application' metadata")
+    parser.add_argument("--model", help="OpenAI model id (default: the first of GET /v1/models)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="client counts to run")
+    parser.add_argument("--requests", type=int, default=8, help="requests per protocol and client count")
+    parser.add_argument("--task", choices=TASKS, default="humaneval")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--algorithm", default="", help="auto, ar, sd, slem, tli, slrs; empty: server default")
+    parser.add_argument("--draft-tokens", type=int)
+    parser.add_argument("--pipelined", choices=["on", "off"], help="per-request pipelining (default: server's)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests per protocol first")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request")
+    parser.add_argument("--label", default="serve", help="names the result folder (e.g. pipelined-2replicas)")
+    parser.add_argument("--note", default="")
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+async def first_model(client) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def run_protocols(args: argparse.Namespace, options: RequestOptions,
+                        prompts: list[tuple[str, str]]) -> tuple[list[dict], str | None]:
+    import httpx
+
+    levels, model = [], args.model
+    protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
+    async with httpx.AsyncClient(base_url=args.http, timeout=args.timeout) as client:
+        for protocol in protocols:
+            if protocol == "http":
+                model = model or await first_model(client)
+                send = lambda pid, text: http_request(client, model, pid, text, options)  # noqa: E731
+                channel = None
+            else:
+                import grpc
+
+                from protos.hetspec.v1 import hetspec_pb2_grpc
+
+                channel = grpc.aio.insecure_channel(args.grpc)
+                stub = hetspec_pb2_grpc.HetSpecStub(channel)
+                metadata = (("application", args.application),) if args.application else None
+                send = lambda pid, text: grpc_request(stub, metadata, pid, text, options)  # noqa: E731
+            try:
+                for _ in range(args.warmup):
+                    await send(*prompts[0])
+                for concurrency in args.concurrency:
+                    timings, wall = await run_load(send, prompts, concurrency, args.requests)
+                    levels.append({**summarize_load(protocol, concurrency, timings, wall),
+                                   "timings": [asdict(timing) for timing in timings]})
+                    print(f"{protocol} x{concurrency}: {levels[-1]['tokens_per_second']:.2f} tok/s, "
+                          f"{levels[-1]['errors']} errors", file=sys.stderr)
+            finally:
+                if channel is not None:
+                    await channel.close()
+    return levels, model
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    options = RequestOptions(args.max_new_tokens, args.temperature, args.algorithm, args.draft_tokens,
+                             None if args.pipelined is None else args.pipelined == "on")
+    prompts = [(case.prompt_id, case.text) for case in load_prompts(args.task, args.num_prompts)]
+    meta = report.provenance(argv, "server", module="benchmarks.serve_bench")
+    levels, model = asyncio.run(run_protocols(args, options, prompts))
+    result = {"meta": meta, "note": args.note,
+              "settings": {"label": args.label, "grpc": args.grpc, "http": args.http, "model": model,
+                           "requests": args.requests, "max_new_tokens": args.max_new_tokens, "task": args.task,
+                           "options": asdict(options)},
+              "levels": levels}
+    folder = args.out or RESULTS_DIR / f"serve-{args.label}-{datetime.datetime.now():%Y%m%d-%H%M}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (folder / "results.md").write_text(markdown(result))
+    print(folder / "results.md")
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

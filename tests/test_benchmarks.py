@@ -1,0 +1,189 @@
+"""The benchmark harness: pure helpers on hand-made data, and one tiny end-to-end run on the small real pair."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import pytest
+
+from benchmarks import analysis, bench
+from benchmarks.meter import ForwardCall, cost_sizes
+from benchmarks.methods import MethodSpec, RunRecord, build_methods, hf_assistant_settings
+from benchmarks.prompts import load_prompts
+from benchmarks.serve_bench import RequestOptions, grpc_request, http_request, run_load, summarize_load
+from protos.hetspec.v1 import hetspec_pb2 as pb
+from protos.hetspec.v1 import hetspec_pb2_grpc
+
+
+def test_first_difference_finds_mismatch_prefix_and_equality():
+    assert analysis.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert analysis.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert analysis.first_difference([1, 2, 3], [1, 2]) == 2
+
+
+def test_geometric_mean_ignores_missing_values():
+    assert analysis.geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
+    assert analysis.geometric_mean([None, 4.0]) == pytest.approx(4.0)
+    assert analysis.geometric_mean([]) is None
+
+
+def test_build_methods_skips_sd_for_different_vocabularies_and_names_settings():
+    names = [m.name for m in build_methods(["ar", "sd", "slem", "hf-assisted"], [3, 5], True, ["default", "3"],
+                                           same_vocabulary=False)]
+    assert names == ["ar", "slem/k3", "slem/k5", "slem/adaptive", "hf-assisted/default", "hf-assisted/k3"]
+    same = [m.name for m in build_methods(["sd"], [4], False, [], same_vocabulary=True)]
+    assert same == ["sd/k4"]
+    with pytest.raises(ValueError, match="unknown algorithms"):
+        build_methods(["medusa"], [3], False, [], same_vocabulary=False)
+
+
+def test_fixed_hf_draft_length_turns_off_the_confidence_stop():
+    assert hf_assistant_settings("5") == {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "constant",
+                                          "assistant_confidence_threshold": 0.0}
+    assert hf_assistant_settings("default") == {}
+
+
+def test_cost_sizes_cover_every_observed_forward():
+    assert cost_sizes([1, 3, 6]) == [1, 2, 4, 6]
+    assert cost_sizes([]) == [1]
+
+
+def _record(method: str, seconds: float, target_tokens: list[int], drafter_tokens: list[int]) -> RunRecord:
+    return RunRecord("p", method, method.split("/")[0], "-" if method == "ar" else "3", 10, [7] * 8, seconds,
+                     [ForwardCall(tokens, 0.1) for tokens in target_tokens],
+                     [ForwardCall(tokens, 0.01) for tokens in drafter_tokens])
+
+
+def test_ideal_speedup_prices_passes_by_isolated_costs():
+    ar = _record("ar", 1.0, [10] + [1] * 7, [])
+    # transformers-style run: 4 passes of (prompt or last token) + 3 candidates, 1 accepted each time
+    assisted = _record("hf-assisted/k3", 0.8, [13, 4, 4, 4], [10, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    costs = {"p": {"target": {1: 0.1, 4: 0.1}, "drafter": {1: 0.01}}}
+    speedups = analysis.per_prompt_speedups([ar, assisted], "ar", costs)
+    assert speedups[("p", "hf-assisted/k3")]["speedup"] == pytest.approx(1.25)
+    # ar: 0.1 + 7 * 0.1 = 0.8 s; assisted: 0.1 + 3 * 0.1 + 0.01 + 9 * 0.01 = 0.5 s, same token count
+    assert speedups[("p", "hf-assisted/k3")]["ideal"] == pytest.approx(1.6)
+    assert analysis.draft_counts(assisted) == (12, 4)
+
+
+def test_prompt_sets_have_the_requested_sizes():
+    assert [case.prompt_id for case in load_prompts("humaneval", 2)] == ["HumanEval/0", "HumanEval/1"]
+    summaries = load_prompts("summarization", 3)
+    assert len(summaries) == 3 and all(case.text.endswith("Summary:") for case in summaries)
+    long_context = load_prompts("longctx", 20)
+    assert long_context and all(len(case.text) >= 9000 and "Question:" in case.text for case in long_context)
+    with pytest.raises(ValueError, match="out of range"):
+        load_prompts("humaneval", 1, offset=1000)
+
+
+@pytest.mark.real
+def test_bench_end_to_end_on_the_small_pair(tmp_path):
+    """Every method on one prompt, 8 greedy float32 tokens: outputs written, all identical to ar."""
+    bench.main(["--pair", "small", "--task", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
+                "--draft-tokens", "3", "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted",
+                "--hf-drafts", "3", "--warmup-tokens", "2", "--cost-repeats", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = {row["method"]: row for row in result["summary"]}
+    assert list(rows) == ["ar", "slem/k3", "tli/k3", "slrs/k3", "hf-greedy", "hf-assisted/k3"]  # no sd: two vocabularies
+    for name, row in rows.items():
+        assert row["tokens"] == 8 and row["tokens_per_second"] > 0 and row["ms_per_token"] > 0
+        assert row["speedup_vs_ar_median"] > 0 and row["speedup_vs_ar_geomean"] > 0
+        assert row["ideal_speedup_geomean"] > 0 and row["efficiency_geomean"] > 0
+        if name != "ar":
+            assert row["output_identical_to_ar"] is True, row["divergences"]
+    assert rows["ar"]["tokens_per_target_pass"] == 1.0 and rows["ar"]["acceptance_rate"] is None
+    for name in ("slem/k3", "tli/k3", "slrs/k3", "hf-assisted/k3"):
+        assert rows[name]["tokens_per_target_pass"] >= 1.0
+        assert 0.0 <= rows[name]["acceptance_rate"] <= 1.0
+        assert 0.0 < rows[name]["drafter_share"] < 1.0
+    runs = result["runs"]
+    assert {tuple(run["token_ids"]) for run in runs} == {tuple(runs[0]["token_ids"])}
+    meta = result["meta"]
+    assert meta["command"].endswith(f"--out {tmp_path}") and meta["git_commit"]
+    assert meta["machine"]["cpu_cores"] >= 1 and meta["machine"]["torch_threads"] >= 1 and meta["date"]
+    assert result["headline"]["best_hetspec"] in rows and result["headline"]["best_hf_assisted"] == "hf-assisted/k3"
+    assert set(result["pass_costs"]["HumanEval/0"]) == {"target", "drafter"}
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| slrs/k3 |" in markdown and meta["git_commit"] in markdown
+    for name in ("speedup.png", "acceptance.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _FakeHetSpec(hetspec_pb2_grpc.HetSpecServicer):
+    """A gRPC servicer that streams 2 + 2 + 2 + 1 tokens and remembers the requests it got."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def GenerateStream(self, request, context):  # noqa: N802 -- the proto's method name
+        self.requests.append(request)
+        for _ in range(3):
+            await asyncio.sleep(0.005)
+            yield pb.GenerateResponse(text="ab", token_ids=[1, 2])
+        yield pb.GenerateResponse(token_ids=[3], finish_reason="length",
+                                  stats=pb.SpeculationStats(acceptance_rate=0.5, mean_accepted_per_pass=2.0))
+
+
+def test_serve_bench_grpc_clients_measure_streamed_tokens():
+    options = RequestOptions(max_new_tokens=7, algorithm="slem", draft_tokens=4, pipelined=False)
+
+    async def scenario():
+        fake = _FakeHetSpec()
+        server = grpc.aio.server()
+        hetspec_pb2_grpc.add_HetSpecServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = hetspec_pb2_grpc.HetSpecStub(channel)
+                timings, wall = await run_load(lambda pid, text: grpc_request(stub, None, pid, text, options),
+                                               [("a", "def f():"), ("b", "def g():")], concurrency=2,
+                                               total_requests=5)
+        finally:
+            await server.stop(None)
+        return fake, timings, wall
+
+    fake, timings, wall = asyncio.run(scenario())
+    assert len(timings) == 5 and sorted(t.prompt_id for t in timings) == ["a", "a", "a", "b", "b"]
+    for timing in timings:
+        assert timing.error is None and timing.tokens == 7 and timing.first_token_seconds > 0
+        assert len(timing.token_latencies) == 5  # every token after the first chunk's two
+        assert timing.stats["acceptance_rate"] == 0.5
+    sent = fake.requests[0]
+    assert (sent.max_new_tokens, sent.algorithm, sent.draft_tokens) == (7, "slem", 4)
+    assert sent.HasField("pipelined") and sent.pipelined is False
+    level = summarize_load("grpc", 2, timings, wall)
+    assert level["errors"] == 0 and level["output_tokens"] == 35 and level["tokens_per_second"] > 0
+    assert level["ttft_ms"]["p50"] > 0 and level["tpot_ms"]["p99"] >= level["tpot_ms"]["p50"]
+    assert level["acceptance_rate"] == 0.5 and level["tokens_per_target_pass"] == 2.0
+
+
+def test_serve_bench_http_client_parses_openai_stream_and_errors():
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        if sent[-1]["prompt"] == "bad":
+            return httpx.Response(400, json={"error": {"message": "max_tokens: too large"}})
+        chunks = [{"choices": [{"text": "ab"}], "hetspec": {"token_ids": [1, 2]}},
+                  {"choices": [{"text": "c", "finish_reason": "stop"}],
+                   "hetspec": {"token_ids": [3], "stats": {"acceptance_rate": 0.25}}},
+                  {"choices": [], "usage": {"completion_tokens": 3}}]
+        body = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def scenario():
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            options = RequestOptions(max_new_tokens=3, algorithm="tli", pipelined=True)
+            return (await http_request(client, "m", "p", "def f():", options),
+                    await http_request(client, "m", "q", "bad", options))
+
+    good, bad = asyncio.run(scenario())
+    assert good.error is None and good.tokens == 3 and good.stats == {"acceptance_rate": 0.25}
+    assert len(good.token_latencies) == 1
+    assert sent[0]["stream"] is True and sent[0]["hetspec"] == {"algorithm": "tli", "pipelined": True}
+    assert bad.error.startswith("HTTP 400") and bad.tokens == 0
