@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pair", choices=sorted(PAIRS), default="realistic", help="model pair (MODELS.md)")
     parser.add_argument("--target", help="target model (short name, .gguf, folder or hub id); overrides --pair")
     parser.add_argument("--drafter", help="drafter model; overrides --pair")
+    parser.add_argument("--label", help="name of the pair in reports (default: --pair, or 'custom')")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the pair's")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -75,7 +76,7 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str, str, str]:
     if args.target or args.drafter:
         label = "custom"
         target, drafter = args.target or target, args.drafter or drafter
-    return label, target, drafter, args.dtype or dtype
+    return args.label or label, target, drafter, args.dtype or dtype
 
 
 def warm_up(runner: Runner, methods: list[MethodSpec], case: PromptCase, tokens: int) -> None:
