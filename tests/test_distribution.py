@@ -1,0 +1,175 @@
+"""End-to-end losslessness through ``hetspec.Engine`` on tiny synthetic models with different vocabularies.
+
+The target's exact distribution over its first N generated tokens is enumerated with the target alone
+(chain rule over every sequence; the vocabulary has 8 tokens). Each algorithm generates N tokens for
+seeds 0..S-1 and the empirical distribution is compared with the exact one by a chi-square test.
+Seeds are fixed, so each test always passes or always fails. A negative control (a wrong residual)
+shows the test has the power to catch a lossy verification.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import hetspec.verify
+from synthetic import (char_bpe_tokenizer, chi_square_pvalue, drafter_tokenizer, language_model, perturbed_copy,
+                       sequence_distribution, single_thread, target_tokenizer)
+from hetspec import Engine, SamplingParams, SpeculationConfig
+from hetspec.models import LanguageModel
+from hetspec.vocab import token_bytes
+
+PROMPT = "ab c"
+LENGTH = 3  # generated tokens whose joint distribution is tested; the first step drafts 2 of them
+SEEDS = 1200
+P_THRESHOLD = 1e-3
+SAMPLING = {
+    "t1": SamplingParams(max_new_tokens=LENGTH, temperature=1.0, ignore_eos=True),
+    "t0.8-top5-p0.9": SamplingParams(max_new_tokens=LENGTH, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def target() -> LanguageModel:
+    return language_model("target", target_tokenizer(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engines(target) -> dict[str, Engine]:
+    """Drafters by kind: none; the target's tokenizer with a perturbed copy of the target (a drafter whose
+    distribution overlaps the target's but differs in shape, so a wrong residual shows); byte-level and
+    SentencePiece-marker tokenizers with other merges (independent random models)."""
+    metaspace = char_bpe_tokenizer([("b", "b"), ("c", " "), ("a", "c ")], style="metaspace")
+    same_vocab = language_model("same-vocab drafter", target.tokenizer, seed=0,
+                                model=perturbed_copy(target.model, noise=0.6, seed=5))
+    return {
+        "none": Engine(target),
+        "same_vocab": Engine(target, same_vocab),
+        "byte_level": Engine(target, language_model("byte-level drafter", drafter_tokenizer(), seed=1)),
+        "metaspace": Engine(target, language_model("metaspace drafter", metaspace, seed=3)),
+    }
+
+
+DRAFTER_OF = {"ar": "none", "sd": "same_vocab", "tli": "byte_level", "slrs": "byte_level", "slem": "byte_level"}
+
+Distribution = dict[tuple[int, ...], float]
+
+
+@pytest.fixture(scope="module")
+def exact(target) -> dict[str, Distribution]:
+    """The target's exact distribution of its first LENGTH tokens after PROMPT, per sampling setting."""
+    prompt_ids = target.encode_prompt(PROMPT)
+    return {name: sequence_distribution(target, prompt_ids, LENGTH, params.temperature, params.top_k, params.top_p)
+            for name, params in SAMPLING.items()}
+
+
+def generated_sequences(engine: Engine, algorithm: str, sampling: str, seeds: int) -> list[tuple[int, ...]]:
+    speculation = SpeculationConfig(algorithm=algorithm)
+    params = SAMPLING[sampling]
+    return [tuple(engine.generate(PROMPT, params.model_copy(update={"seed": seed}), speculation=speculation).token_ids)
+            for seed in range(seeds)]
+
+
+@pytest.fixture(scope="module")
+def target_alone_sequences(engines) -> list[tuple[int, ...]]:
+    return generated_sequences(engines["none"], "ar", "t1", SEEDS)
+
+
+def pvalue(engines, exact, algorithm: str, sampling: str, seeds: int = SEEDS) -> float:
+    samples = generated_sequences(engines[DRAFTER_OF[algorithm]], algorithm, sampling, seeds)
+    return chi_square_pvalue(samples, exact[sampling])
+
+
+# --- the synthetic vocabularies ------------------------------------------------------------------------
+
+def test_token_bytes_of_the_synthetic_tokenizers(engines):
+    assert token_bytes(target_tokenizer()) == [b"a", b"b", b"c", b" ", b"ab", b"b ", b" c", b"abc"]
+    assert token_bytes(drafter_tokenizer()) == [b"a", b"b", b"c", b" ", b"bb", b"abb", b"ca", b" a"]
+    assert token_bytes(engines["metaspace"].drafter.tokenizer) == [b"a", b"b", b"c", b" ", b"bb", b"c ", b"ac "]
+    maps = engines["byte_level"].maps
+    assert not maps.same_vocabulary and engines["same_vocab"].maps.same_vocabulary
+    assert maps.intersection.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+    # bb -> b, abb -> ab (a multi-character target token), ca -> c, " a" -> " "
+    assert maps.first_target_token.tolist() == [0, 1, 2, 3, 1, 4, 2, 3]
+
+
+def test_the_target_distribution_is_far_from_uniform(exact):
+    """The test needs peaked distributions: a near-uniform target would hide a wrong verification."""
+    probs = sorted(exact["t1"].values(), reverse=True)
+    assert probs[0] > 50 / 8 ** LENGTH and abs(sum(probs) - 1) < 1e-5
+
+
+# --- distributions -------------------------------------------------------------------------------------
+
+def test_target_alone_follows_its_distribution(exact, target_alone_sequences):
+    assert chi_square_pvalue(target_alone_sequences, exact["t1"]) > P_THRESHOLD
+
+
+@pytest.mark.parametrize("algorithm", ["sd", "tli", "slrs"])
+def test_rejection_sampling_algorithms_are_lossless(engines, exact, algorithm):
+    assert pvalue(engines, exact, algorithm, "t1") > P_THRESHOLD
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ar", "sd", "tli", "slrs", "slem"])
+def test_lossless_with_temperature_top_k_and_top_p(engines, exact, algorithm):
+    assert pvalue(engines, exact, algorithm, "t0.8-top5-p0.9", seeds=3000) > P_THRESHOLD
+
+
+def test_slem_reproduces_the_target_alone_seed_for_seed(engines, exact, target_alone_sequences):
+    """SLEM keeps only the target's own seeded choices, so it equals ``ar`` per seed, not just in distribution."""
+    slem = generated_sequences(engines["byte_level"], "slem", "t1", 300)
+    assert slem == target_alone_sequences[:300]
+    assert chi_square_pvalue(slem, exact["t1"]) > P_THRESHOLD
+
+
+@pytest.mark.parametrize("algorithm, seeds", [("sd", 600), ("tli", 500)])
+def test_negative_control_a_wrong_residual_is_caught(engines, exact, algorithm, seeds, monkeypatch):
+    """Drawing the recovered token from the target instead of the residual is lossy; the test must see it
+    with fewer seeds than the real tests use."""
+    monkeypatch.setattr(hetspec.verify, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    assert pvalue(engines, exact, algorithm, "t1", seeds=seeds) < 1e-6
+
+
+# --- drafter identical to the target -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def char_target() -> LanguageModel:
+    """A target whose tokenizer has no merges. SLEM re-tokenizes the drafted text, so an identical drafter
+    only has all its drafts kept when each sampled token sequence is the canonical tokenization of its
+    text; random models often sample non-canonical ones ('b', ' ' for 'b ') from a BPE vocabulary."""
+    return language_model("char target", char_bpe_tokenizer([]), seed=4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("algorithm, target_kind", [("sd", "bpe"), ("tli", "bpe"), ("sd", "char"), ("tli", "char"),
+                                                    ("slem", "char")])
+def test_identical_drafter_accepts_every_draft(target, char_target, algorithm, target_kind, temperature):
+    model = target if target_kind == "bpe" else char_target
+    engine = Engine(model, model)
+    speculation = SpeculationConfig(algorithm=algorithm, draft_tokens=4)
+    for seed in range(5):
+        params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed, ignore_eos=True)
+        stats = engine.generate(PROMPT, params, speculation=speculation).stats
+        assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens
+
+
+# --- greedy ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("drafter, algorithm", [
+    ("same_vocab", "sd"),
+    ("byte_level", "tli"), ("byte_level", "slrs"), ("byte_level", "slem"),
+    ("metaspace", "tli"), ("metaspace", "slrs"), ("metaspace", "slem"),
+])
+def test_greedy_equals_the_target_alone(engines, drafter, algorithm):
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    for prompt in ("ab c", "c", "cab ba", "a a bcc"):
+        expected = engines["none"].generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
+        result = engines[drafter].generate(prompt, params, speculation=SpeculationConfig(algorithm=algorithm))
+        assert result.token_ids == expected
+        assert result.stats.drafted_tokens > 0
