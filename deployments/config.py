@@ -77,7 +77,8 @@ class AppConfig(StrictModel):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipelining and KV sessions.")
     coordinator_resources: ActorResources = Field(
         default_factory=lambda: ActorResources(num_cpus=0.5), description="Bundle of each coordinator replica.")
-    drafter_resources: ActorResources = Field(default_factory=ActorResources, description="Bundle of the drafter actor.")
+    drafter_resources: ActorResources = Field(default_factory=ActorResources,
+                                              description="Bundle of the drafter actor.")
     target_resources: ActorResources = Field(default_factory=ActorResources, description="Bundle of the target actor.")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig, description=(
         "Serve autoscaling of the coordinator on ongoing requests."))

@@ -1,0 +1,247 @@
+"""The coordinator: validates a request, opens its KV sessions in the two workers, runs the decode loop.
+
+Protocol-free: the OpenAI routes (``openai_api``) and the gRPC methods (``grpc_service``) turn their
+requests into a ``GenerationRequest`` and consume the ``StreamEvent``s this yields. Errors a client can
+fix are ``InvalidRequest`` naming the field; a full actor is ``Overloaded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal
+
+from pydantic import Field, ValidationError
+from ray.exceptions import TaskCancelledError
+
+from hetspec.algorithms import Algorithm, PairMaps, make_algorithm
+from hetspec.config import SamplingParams, SpeculationConfig, StrictModel
+from hetspec.config import Algorithm as AlgorithmName
+from hetspec.engine import DraftLength, OutputText, StreamEvent
+from hetspec.models import LanguageModel
+
+from deployments.config import AppConfig
+from deployments.metrics import coordinator_metrics
+from deployments.pipeline import DecodeLoop, PipelineStats, Step, Worker
+from deployments.sessions import SessionLimitReached
+from deployments.workers import ModelInfo
+
+log = logging.getLogger("ray.serve")
+
+
+class InvalidRequest(ValueError):
+    """The client's fault; ``field`` names the offending request field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+    def __reduce__(self):  # it crosses process boundaries (replica -> gRPC proxy) pickled
+        return InvalidRequest, (self.field, self.message)
+
+
+class Overloaded(RuntimeError):
+    """A worker holds max_sessions KV caches already; the client may retry."""
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
+    content: str = Field(description="What is said.")
+
+
+class GenerationRequest(StrictModel):
+    prompt: str | None = Field(None, description="Plain prompt (exclusive with messages).")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="Chat turns, rendered by each "
+                                               "model's chat template (exclusive with prompt).")
+    params: SamplingParams = Field(description="Sampling and stop settings.")
+    algorithm: AlgorithmName | None = Field(None, description="Speculation algorithm; None: the server default.")
+    draft_tokens: int | None = Field(None, ge=1, le=64, description="Draft length k; None: the server default.")
+    pipelined: bool | None = Field(None, description="Pipeline drafting with verification; None: server default.")
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to run."""
+
+    request_id: str
+    algorithm: Algorithm
+    speculation: SpeculationConfig
+    params: SamplingParams
+    target_prompt_ids: list[int]
+    drafter_prompt_ids: list[int] | None
+    pipelined: bool
+
+
+def validation_to_invalid(error: ValidationError, renames: dict[str, str] | None = None) -> InvalidRequest:
+    """The first pydantic error as an InvalidRequest naming the field (in the client's own words)."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "request"
+    for ours, theirs in (renames or {}).items():
+        field = field.replace(ours, theirs)
+    return InvalidRequest(field, first["msg"])
+
+
+def serve_request_id() -> str | None:
+    """Serve's id of the request being handled (it tags Serve's logs too); None outside a replica."""
+    try:
+        from ray.serve.context import _get_serve_request_context
+
+        return _get_serve_request_context().request_id or None
+    except Exception:  # noqa: BLE001 -- no Serve context: the coordinator makes an id
+        return None
+
+
+def _with_template(info: ModelInfo, chat_template: str | None) -> LanguageModel:
+    model = info.stand_in()
+    if chat_template and not model.tokenizer.chat_template:
+        model.tokenizer.chat_template = chat_template
+    return model
+
+
+class Coordinator:
+    def __init__(self, config: AppConfig, target: Worker, drafter: Worker, target_info: ModelInfo,
+                 drafter_info: ModelInfo):
+        self.config = config
+        self.target, self.drafter = target, drafter
+        self.target_model = _with_template(target_info, config.chat_template)
+        self.drafter_model = _with_template(drafter_info, config.chat_template)
+        self.maps = PairMaps(self.drafter_model, self.target_model)
+        self.ongoing = 0
+        self.outcomes = {"finished": 0, "cancelled": 0, "failed": 0}  # requests of this replica, by how they ended
+        self.replica = uuid.uuid4().hex[:8]
+        self.metrics = coordinator_metrics()
+
+    def prepare(self, request: GenerationRequest, request_id: str | None = None) -> Prepared:
+        """Validate everything a client can get wrong, before any response is sent."""
+        limits = self.config.limits
+        if request.params.max_new_tokens > limits.max_new_tokens:
+            raise InvalidRequest("max_new_tokens", f"must be at most {limits.max_new_tokens} on this server")
+        overrides = {name: value for name, value in
+                     (("algorithm", request.algorithm), ("draft_tokens", request.draft_tokens)) if value is not None}
+        try:
+            speculation = SpeculationConfig.model_validate({**self.config.speculation.model_dump(), **overrides})
+        except ValidationError as error:
+            raise validation_to_invalid(error) from None
+        try:
+            algorithm = make_algorithm(speculation.algorithm, self.maps, speculation, request.params)
+        except (ValueError, NotImplementedError) as error:
+            raise InvalidRequest("algorithm", str(error)) from None
+        target_prompt_ids = self._prompt_ids(request, self.target_model)
+        if len(target_prompt_ids) > limits.max_prompt_tokens:
+            raise InvalidRequest("messages" if request.messages else "prompt",
+                                 f"is {len(target_prompt_ids)} tokens, above this server's limit of "
+                                 f"{limits.max_prompt_tokens}")
+        drafter_prompt_ids = self._prompt_ids(request, self.drafter_model) if algorithm.needs_drafter else None
+        pipelined = self.config.pipeline.pipelined if request.pipelined is None else request.pipelined
+        return Prepared(request_id or uuid.uuid4().hex, algorithm, speculation, request.params,
+                        target_prompt_ids, drafter_prompt_ids, pipelined)
+
+    def _prompt_ids(self, request: GenerationRequest, model: LanguageModel) -> list[int]:
+        if (request.prompt is None) == (request.messages is None):
+            raise InvalidRequest("prompt", "give exactly one of prompt or messages")
+        try:
+            if request.messages is not None:
+                return model.encode_chat([message.model_dump() for message in request.messages])
+            if not request.prompt:
+                raise ValueError("must not be empty")
+            return model.encode_prompt(request.prompt)
+        except ValueError as error:
+            raise InvalidRequest("messages" if request.messages is not None else "prompt", str(error)) from None
+
+    async def run(self, prepared: Prepared, protocol: str) -> AsyncIterator[StreamEvent]:
+        """The request's stream events; its KV sessions are freed however it ends (cancellation included)."""
+        request_id, algorithm = prepared.request_id, prepared.algorithm
+        drafter = self.drafter if algorithm.needs_drafter else None
+        started = time.perf_counter()
+        first_text, finished = True, False
+        self._track(+1)
+        log.info("request start request_id=%s protocol=%s algorithm=%s prompt_tokens=%d max_new_tokens=%d "
+                 "pipelined=%s", request_id, protocol, algorithm.name, len(prepared.target_prompt_ids),
+                 prepared.params.max_new_tokens, prepared.pipelined)
+        try:
+            await self._open(prepared, drafter)
+            loop = DecodeLoop(request_id, algorithm, prepared.params, OutputText(self.target_model, prepared.params),
+                              DraftLength(prepared.speculation),
+                              PipelineStats(algorithm=algorithm.name, prompt_tokens=len(prepared.target_prompt_ids)),
+                              list(prepared.target_prompt_ids), self.target, drafter, prepared.pipelined,
+                              on_step=lambda step: self._record_step(algorithm.name, step))
+            async for event in loop.run():
+                if first_text and event.text:
+                    first_text = False
+                    self.metrics.time_to_first_token.observe(time.perf_counter() - started,
+                                                             tags={"protocol": protocol})
+                if event.finish_reason:
+                    finished = True
+                    self.outcomes["finished"] += 1
+                    self._record_finish(protocol, event)
+                    log.info("request done request_id=%s finish_reason=%s %s", request_id, event.finish_reason,
+                             " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                                      for key, value in event.stats.to_dict().items()))
+                yield event
+        except (asyncio.CancelledError, GeneratorExit, TaskCancelledError):  # the client went away
+            if not finished:  # a consumer closing us after the last event is no cancellation
+                self.outcomes["cancelled"] += 1
+                log.info("request cancelled request_id=%s", request_id)
+                self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": "cancelled"})
+            raise
+        except Exception as error:
+            self.outcomes["failed"] += 1
+            log.warning("request failed request_id=%s error=%s", request_id, type(error).__name__)
+            self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": type(error).__name__})
+            raise
+        finally:
+            self._track(-1)
+            self.target.call_detached("close", request_id)
+            if drafter is not None:
+                drafter.call_detached("close", request_id)
+
+    async def _open(self, prepared: Prepared, drafter: Worker | None) -> None:
+        args = (prepared.algorithm.name, prepared.speculation, prepared.params)
+        opening = [self.target.call("open", prepared.request_id, prepared.target_prompt_ids, *args)]
+        if drafter is not None:
+            opening.append(drafter.call("open", prepared.request_id, prepared.drafter_prompt_ids, *args))
+        try:
+            await asyncio.gather(*opening)
+        except SessionLimitReached as error:
+            raise Overloaded(str(error)) from None
+
+    async def stats(self) -> dict:
+        target, drafter = await asyncio.gather(self.target.call("stats"), self.drafter.call("stats"))
+        return {"replica": self.replica, "ongoing_requests": self.ongoing,
+                **{f"{outcome}_requests": count for outcome, count in self.outcomes.items()},
+                "target": target, "drafter": drafter}
+
+    async def check_health(self) -> None:
+        await asyncio.gather(self.target.call("ping"), self.drafter.call("ping"))
+
+    def _track(self, delta: int) -> None:
+        self.ongoing += delta
+        self.metrics.ongoing_requests.set(self.ongoing, tags={"replica": self.replica})
+
+    def _record_step(self, algorithm: str, step: Step) -> None:
+        tags = {"algorithm": algorithm}
+        self.metrics.accepted_length.observe(step.accepted, tags=tags)
+        if step.drafted:  # a Ray counter only takes positive increments
+            self.metrics.drafted_tokens.inc(step.drafted, tags=tags)
+            self.metrics.draft_length.observe(step.drafted, tags=tags)
+        if step.accepted:
+            self.metrics.accepted_tokens.inc(step.accepted, tags=tags)
+        for stage, seconds in (("drafter", step.drafter_seconds), ("target", step.target_seconds),
+                               ("alignment", step.alignment_seconds)):
+            if seconds:
+                self.metrics.step_seconds.observe(seconds, tags={"stage": stage})
+        if step.speculation:
+            self.metrics.pipeline.inc(tags={"outcome": step.speculation})
+
+    def _record_finish(self, protocol: str, event: StreamEvent) -> None:
+        stats = event.stats
+        tags = {"algorithm": stats.algorithm}
+        self.metrics.requests.inc(tags={"protocol": protocol, "algorithm": stats.algorithm,
+                                        "finish_reason": event.finish_reason})
+        if stats.generated_tokens:
+            self.metrics.generated_tokens.inc(stats.generated_tokens, tags=tags)
+        self.metrics.prompt_tokens.inc(stats.prompt_tokens, tags=tags)

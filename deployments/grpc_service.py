@@ -1,0 +1,106 @@
+"""gRPC: the ``hetspec.v1.HetSpec`` methods, served by Serve's gRPC proxy (protos/hetspec/v1/hetspec.proto).
+
+A mixin of the ingress deployment: Serve calls ``Generate`` / ``GenerateStream`` by name with the
+request message and a ``grpc_context`` on which a client error sets INVALID_ARGUMENT (field named in the
+details) before it is raised, and the proxy answers with that status.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import grpc
+from pydantic import ValidationError
+
+from hetspec.engine import StreamEvent
+
+from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
+                                     serve_request_id, validation_to_invalid)
+from protos.hetspec.v1 import hetspec_pb2 as pb
+
+# GenerationRequest's names -> the proto's, for error details.
+FIELD_NAMES = {"params.": ""}
+
+
+def to_generation(request: pb.GenerateRequest, default_max_new_tokens: int) -> GenerationRequest:
+    params = {"max_new_tokens": request.max_new_tokens if request.HasField("max_new_tokens")
+              else default_max_new_tokens, "stop": list(request.stop)}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if request.HasField(name):
+            params[name] = getattr(request, name)
+    try:
+        return GenerationRequest.model_validate({
+            "prompt": request.prompt, "params": params, "algorithm": request.algorithm or None,
+            "draft_tokens": request.draft_tokens if request.HasField("draft_tokens") else None,
+            "pipelined": request.pipelined if request.HasField("pipelined") else None})
+    except ValidationError as error:
+        raise validation_to_invalid(error, FIELD_NAMES) from None
+
+
+def _stats(event: StreamEvent) -> pb.SpeculationStats:
+    values = event.stats.to_dict()
+    return pb.SpeculationStats(**{field.name: values[field.name] for field in pb.SpeculationStats.DESCRIPTOR.fields})
+
+
+def _usage(event: StreamEvent) -> pb.Usage:
+    stats = event.stats
+    return pb.Usage(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.generated_tokens,
+                    total_tokens=stats.prompt_tokens + stats.generated_tokens)
+
+
+class GrpcMethods:
+    coordinator: Coordinator
+
+    def _prepare(self, request: pb.GenerateRequest, grpc_context) -> Prepared:
+        try:
+            generation = to_generation(request, self.coordinator.config.limits.default_max_new_tokens)
+            return self.coordinator.prepare(generation, serve_request_id())
+        except InvalidRequest as error:
+            field = error.field
+            for ours, theirs in FIELD_NAMES.items():
+                field = field.replace(ours, theirs)
+            _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {error.message}")
+            raise
+
+    async def _events(self, prepared: Prepared, grpc_context) -> AsyncIterator[StreamEvent]:
+        try:
+            async with aclosing(self.coordinator.run(prepared, "grpc")) as events:
+                async for event in events:
+                    yield event
+        except Overloaded as error:
+            _fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            raise
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:  # noqa: N802
+        prepared = self._prepare(request, grpc_context)
+        pieces: list[str] = []
+        token_ids: list[int] = []
+        async with aclosing(self._events(prepared, grpc_context)) as events:
+            async for event in events:
+                pieces.append(event.text)
+                token_ids.extend(event.token_ids)
+                if event.finish_reason:
+                    return pb.GenerateResponse(request_id=prepared.request_id, text="".join(pieces),
+                                               token_ids=token_ids, finish_reason=event.finish_reason,
+                                               usage=_usage(event), stats=_stats(event))
+        raise AssertionError("the decode loop ended without a finish reason")
+
+    async def GenerateStream(self, request: pb.GenerateRequest,  # noqa: N802
+                             grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
+        prepared = self._prepare(request, grpc_context)
+        async with aclosing(self._events(prepared, grpc_context)) as events:
+            async for event in events:
+                response = pb.GenerateResponse(request_id=prepared.request_id, text=event.text,
+                                               token_ids=event.token_ids)
+                if event.finish_reason:
+                    response.finish_reason = event.finish_reason
+                    response.usage.CopyFrom(_usage(event))
+                    response.stats.CopyFrom(_stats(event))
+                yield response
+
+
+def _fail(grpc_context, code: grpc.StatusCode, details: str) -> None:
+    if grpc_context is not None:
+        grpc_context.set_code(code)
+        grpc_context.set_details(details)

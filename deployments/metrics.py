@@ -1,0 +1,61 @@
+"""Prometheus metrics through ``ray.util.metrics`` (exported by every Ray node, charted by
+cluster/grafana/hetspec.json). Names carry the ``hetspec_`` prefix; Ray adds ``ray_`` in Prometheus.
+
+Created lazily, once per process: a metric object holds a reference into the process's metrics agent.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+TOKEN_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 8.5, 12.5, 16.5, 32.5, 64.5]
+
+
+class CoordinatorMetrics:
+    def __init__(self) -> None:
+        self.requests = Counter("hetspec_requests_total", "Finished requests.",
+                                tag_keys=("protocol", "algorithm", "finish_reason"))
+        self.request_errors = Counter("hetspec_request_errors_total", "Requests that ended in an error.",
+                                      tag_keys=("protocol", "kind"))
+        self.generated_tokens = Counter("hetspec_generated_tokens_total", "Tokens generated.", tag_keys=("algorithm",))
+        self.prompt_tokens = Counter("hetspec_prompt_tokens_total", "Prompt tokens read.", tag_keys=("algorithm",))
+        self.drafted_tokens = Counter("hetspec_drafted_tokens_total", "Candidates sent to the target.",
+                                      tag_keys=("algorithm",))
+        self.accepted_tokens = Counter("hetspec_accepted_tokens_total", "Candidates the target kept.",
+                                       tag_keys=("algorithm",))
+        self.accepted_length = Histogram("hetspec_accepted_length", "Candidates accepted per target pass.",
+                                         boundaries=TOKEN_BUCKETS, tag_keys=("algorithm",))
+        self.draft_length = Histogram("hetspec_draft_length", "Candidates per draft.", boundaries=TOKEN_BUCKETS,
+                                      tag_keys=("algorithm",))
+        self.step_seconds = Histogram("hetspec_step_seconds", "Time per decoding step in each stage.",
+                                      boundaries=SECONDS_BUCKETS, tag_keys=("stage",))
+        self.time_to_first_token = Histogram("hetspec_time_to_first_token_seconds", "Request start to first text.",
+                                             boundaries=SECONDS_BUCKETS, tag_keys=("protocol",))
+        self.pipeline = Counter("hetspec_pipeline_speculations_total",
+                                "Speculative drafts, by outcome (hit: used, miss: dropped).", tag_keys=("outcome",))
+        self.ongoing_requests = Gauge("hetspec_coordinator_ongoing_requests",
+                                      "Requests in progress in this coordinator replica.", tag_keys=("replica",))
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.active_sessions = Gauge("hetspec_active_sessions", "KV sessions held by a model actor.",
+                                     tag_keys=("role", "actor"))
+        self.queue_depth = Gauge("hetspec_actor_queue_depth",
+                                 "Calls in a model actor, running or waiting for a thread or their session.",
+                                 tag_keys=("role", "actor"))
+        self.expired_sessions = Counter("hetspec_expired_sessions_total", "KV sessions freed after idling.",
+                                        tag_keys=("role",))
+
+
+@lru_cache(maxsize=1)
+def coordinator_metrics() -> CoordinatorMetrics:
+    return CoordinatorMetrics()
+
+
+@lru_cache(maxsize=1)
+def worker_metrics() -> WorkerMetrics:
+    return WorkerMetrics()

@@ -1,0 +1,123 @@
+"""HTTP: the OpenAI-compatible routes, a health route and a stats route, as a FastAPI app.
+
+``build_openai_app`` is handed to ``serve.ingress`` as a builder: each replica builds its own app, and the
+routes reach the replica's ``Coordinator`` through ``get_coordinator`` (a FastAPI dependency, so tests
+can serve an in-process coordinator with no Ray at all).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+from typing import AsyncIterator, Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from deployments.coordinator import (Coordinator, InvalidRequest, Overloaded, Prepared, serve_request_id,
+                                     validation_to_invalid)
+from deployments.openai_protocol import (FIELD_NAMES, ChatCompletionRequest, CompletionRequest, ResponseWriter,
+                                         error_body, request_error, sse)
+
+log = logging.getLogger("ray.serve")
+
+
+def current_coordinator() -> Coordinator:
+    from ray import serve
+
+    return serve.get_replica_context().servable_object.coordinator
+
+
+def _invalid(error: InvalidRequest) -> JSONResponse:
+    return JSONResponse(request_error(error), status_code=400)
+
+
+async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0]
+    location = [str(part) for part in first["loc"] if part != "body"]
+    # a union's branch name (str, list[str], ...) is not a field: keep the field names only
+    param = ".".join(part for part in location if not any(mark in part for mark in "[]")) or "body"
+    return JSONResponse(error_body(f"{param}: {first['msg']}", param), status_code=400)
+
+
+def _prepare(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest,
+             request_id: str | None) -> Prepared:
+    if body.model != coordinator.config.model_id:
+        raise InvalidRequest("model", f"unknown model {body.model!r}; this server serves "
+                                      f"{coordinator.config.model_id!r}")
+    try:
+        generation = body.to_generation(coordinator.config.limits.default_max_new_tokens)
+    except ValidationError as error:
+        raise validation_to_invalid(error, FIELD_NAMES) from None
+    return coordinator.prepare(generation, request_id)
+
+
+async def _respond(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest, chat: bool):
+    try:
+        prepared = _prepare(coordinator, body, serve_request_id())
+    except InvalidRequest as error:
+        return _invalid(error)
+    writer = ResponseWriter(chat, coordinator.config.model_id, prepared.request_id)
+    if body.stream:
+        return StreamingResponse(_stream(coordinator, prepared, writer, body.include_usage),
+                                 media_type="text/event-stream")
+    pieces: list[str] = []
+    token_ids: list[int] = []
+    try:
+        async with aclosing(coordinator.run(prepared, "http")) as events:
+            async for event in events:
+                pieces.append(event.text)
+                token_ids.extend(event.token_ids)
+                if event.finish_reason:
+                    return writer.whole("".join(pieces), token_ids, event)
+    except Overloaded as error:
+        return JSONResponse(error_body(str(error), None, "server_busy", "overloaded"), status_code=503)
+    raise AssertionError("the decode loop ended without a finish reason")
+
+
+async def _stream(coordinator: Coordinator, prepared: Prepared, writer: ResponseWriter,
+                  include_usage: bool) -> AsyncIterator[str]:
+    try:
+        async with aclosing(coordinator.run(prepared, "http")) as events:
+            async for event in events:
+                yield sse(writer.chunk(event))
+                if event.finish_reason and include_usage:
+                    yield sse(writer.usage_chunk(event))
+    except Overloaded as error:
+        # headers are sent already: the error travels as an event, the way OpenAI's streams report one
+        yield sse(error_body(str(error), None, "server_busy", "overloaded"))
+    except Exception as error:  # noqa: BLE001 -- report, don't leave the client waiting on a cut stream
+        log.exception("stream failed request_id=%s", prepared.request_id)
+        yield sse(error_body(f"internal error: {type(error).__name__}", None, "server_error"))
+    yield sse("[DONE]")
+
+
+def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordinator) -> FastAPI:
+    app = FastAPI(title="hetspec", description="Lossless heterogeneous speculative decoding, OpenAI-compatible.")
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, coordinator: Coordinator = Depends(get_coordinator)):
+        return await _respond(coordinator, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, coordinator: Coordinator = Depends(get_coordinator)):
+        return await _respond(coordinator, body, chat=True)
+
+    @app.get("/v1/models")
+    async def models(coordinator: Coordinator = Depends(get_coordinator)):
+        model_id = coordinator.config.model_id
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "hetspec"}]}
+
+    @app.get("/health")
+    async def health(coordinator: Coordinator = Depends(get_coordinator)):
+        await coordinator.check_health()
+        return {"status": "ok"}
+
+    @app.get("/v1/stats")
+    async def stats(coordinator: Coordinator = Depends(get_coordinator)):
+        return await coordinator.stats()
+
+    return app

@@ -1,0 +1,216 @@
+"""The distributed decode loop: ``Engine.stream``'s loop with the drafter and target in other processes.
+
+Each step is the library's: draft (drafter actor), align (here), verify (target actor), then
+``DraftLength``, ``OutputText`` and ``Stats`` here, in the same order with the same arguments as
+``hetspec.engine.Engine.stream``, so the tokens are the same.
+
+Pipelining: while the target verifies chunk i, the drafter already drafts chunk i+1 from the committed
+text plus chunk i's candidates, i.e. assuming chunk i is accepted. Its first token is then a guess of the
+target's next token (the bonus token after a fully accepted chunk), so it drafts one token more than the
+step needs. Hit: chunk i was fully accepted and the guess equals the bonus token; the speculative draft,
+without its first token, is the next draft. Miss: it is dropped and the next step drafts afresh
+(``DrafterSide.sync`` keeps only what agrees with the committed text). Any draft is verified by the
+target, so pipelining changes speed, never what is output: greedy and exact-match (SLEM) output is token
+for token the non-pipelined output; with rejection sampling (SD, TLI, SLRS) at temperature > 0 the
+drafts differ, so the output is an equally distributed sample, not the same one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import copy
+import functools
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+from hetspec.algorithms import Algorithm, Draft
+from hetspec.align import complete_utf8_length
+from hetspec.config import SamplingParams
+from hetspec.engine import DraftLength, OutputText, Stats, StreamEvent
+
+from deployments.workers import DraftMessage, VerifyResult
+
+
+class Worker(Protocol):
+    """A drafter or target worker reached by method name; the call is running once ``call`` returns."""
+
+    def call(self, method: str, *args) -> Awaitable: ...
+
+    def call_detached(self, method: str, *args) -> None:
+        """A call that must happen even if the calling request is being cancelled (closing its sessions)."""
+
+
+@dataclass
+class PipelineStats(Stats):
+    pipelined: bool = False
+    pipeline_hits: int = 0  # speculative drafts used
+    pipeline_misses: int = 0  # speculative drafts dropped
+
+
+@dataclass
+class Step:
+    """One decoding step, for metrics."""
+
+    drafted: int
+    accepted: int
+    drafter_seconds: float
+    target_seconds: float
+    alignment_seconds: float
+    speculation: str | None  # "hit", "miss" or None when no speculative draft was waiting
+
+
+def _complete(text: bytes) -> bool:
+    return complete_utf8_length(text) == len(text)
+
+
+class _Speculation:
+    """A draft started from ``assumed_candidates`` fully accepted, while the target verified them."""
+
+    def __init__(self, pending: Awaitable, assumed_candidates: list[int], table: list[bytes | None]):
+        self.pending = pending
+        self.assumed_candidates = assumed_candidates
+        self.table = table
+
+    async def usable(self, new_ids: list[int]) -> tuple[DraftMessage, DraftMessage | None]:
+        """(the speculative draft, the part of it that continues ``new_ids`` or None on a miss)."""
+        draft: DraftMessage = await self.pending
+        bonus = new_ids[-1]
+        if new_ids[:-1] != self.assumed_candidates:
+            return draft, None
+        if draft.candidates:  # a draft of target ids (TLI, SLRS, SD): its first id guessed the bonus token
+            if draft.candidates[0] != bonus or len(draft.candidates) == 1:
+                return draft, None
+            return draft, DraftMessage(candidates=draft.candidates[1:], draft_probs=draft.draft_probs,
+                                       first_row=draft.first_row + 1)
+        bonus_bytes = self.table[bonus] or b""  # a text draft (SLEM): its text must start with the bonus token's
+        if not draft.text.startswith(bonus_bytes) or len(draft.text) == len(bonus_bytes):
+            return draft, None
+        return draft, DraftMessage(text=draft.text[len(bonus_bytes):])
+
+
+class DecodeLoop:
+    """One request's decoding across a drafter and a target worker whose sessions are already open."""
+
+    def __init__(self, request_id: str, algorithm: Algorithm, params: SamplingParams, output: OutputText,
+                 policy: DraftLength, stats: PipelineStats, target_ids: list[int], target: Worker,
+                 drafter: Worker | None, pipelined: bool, on_step: Callable[[Step], None] = lambda step: None):
+        self.request_id = request_id
+        self.algorithm = algorithm
+        self.params = params
+        self.output = output
+        self.policy = policy
+        self.stats = stats
+        self.target_ids = target_ids  # the committed target ids, prompt included (TargetSide.ids' twin)
+        self.target = target
+        self.drafter = drafter
+        self.pipelined = pipelined and drafter is not None
+        self.stats.pipelined = self.pipelined
+        self.on_step = on_step
+
+    async def run(self) -> AsyncIterator[StreamEvent]:
+        started = time.perf_counter()
+        speculation: _Speculation | None = None
+        new_ids: list[int] = []
+        while True:
+            remaining = self.params.max_new_tokens - len(self.output.token_ids)
+            committed = bytes(self.output.generated_bytes)
+            k = min(self.policy.k, remaining - 1)
+            drafts = self.drafter is not None and k > 0 and _complete(committed)  # Engine.stream's condition
+            message, drafter_seconds, outcome = None, 0.0, None
+            if speculation is not None:
+                spent, message = await speculation.usable(new_ids)
+                self._count_draft(spent)
+                drafter_seconds += spent.seconds
+                message = message if drafts else None
+                outcome = "hit" if message is not None else "miss"
+            if drafts and message is None:
+                message = await self.drafter.call("draft", self.request_id, committed, k, len(self.output.token_ids))
+                self._count_draft(message)
+                drafter_seconds += message.seconds
+            message = message or DraftMessage()
+            tick = time.perf_counter()
+            message = self._align(message)
+            alignment_seconds = time.perf_counter() - tick
+            verifying = self.target.call("verify", self.request_id, message)
+            speculation = self._speculate(committed, message.candidates, remaining) if self.pipelined else None
+            result: VerifyResult = await verifying
+            new_ids = result.new_ids
+            self._account(message, result, drafter_seconds, alignment_seconds, outcome)
+            kept_ids, delta, finish = self.output.add(new_ids)
+            self.target_ids.extend(new_ids)
+            self.stats.generated_tokens = len(self.output.token_ids)
+            if finish:
+                self.stats.total_seconds = time.perf_counter() - started
+                yield StreamEvent(kept_ids, delta, finish, self.stats)
+                return
+            yield StreamEvent(kept_ids, delta)
+
+    def _align(self, message: DraftMessage) -> DraftMessage:
+        """String-level alignment (SLEM re-tokenizes the drafted text); other algorithms pass ids through."""
+        if not message.text:
+            return message
+        draft = self.algorithm.align(Draft(candidates=list(message.candidates), text=message.text), self.target_ids)
+        return DraftMessage(candidates=draft.candidates, draft_probs=message.draft_probs,
+                            first_row=message.first_row)
+
+    def _speculate(self, committed: bytes, candidates: list[int], remaining: int) -> _Speculation | None:
+        """Start drafting the next chunk as if all ``candidates`` are accepted (the step's k plus a bonus guess)."""
+        table = self.output.table
+        assumed = committed + b"".join(table[token] or b"" for token in candidates)
+        policy = copy.copy(self.policy)
+        policy.update(len(candidates), len(candidates))
+        next_k = min(policy.k, remaining - len(candidates) - 1 - 1)
+        if next_k <= 0 or not _complete(assumed):
+            return None
+        first_position = len(self.output.token_ids) + len(candidates)  # the bonus token's position
+        pending = self.drafter.call("draft", self.request_id, assumed, next_k + 1, first_position)
+        return _Speculation(pending, list(candidates), table)
+
+    def _count_draft(self, message: DraftMessage) -> None:
+        self.stats.drafter_forwards += message.drafter_forwards
+        self.stats.drafter_seconds += message.seconds
+
+    def _account(self, message: DraftMessage, result: VerifyResult, drafter_seconds: float,
+                 alignment_seconds: float, outcome: str | None) -> None:
+        accepted = len(result.new_ids) - 1
+        self.stats.alignment_seconds += alignment_seconds
+        self.stats.target_seconds += result.seconds
+        self.stats.target_forwards += 1
+        self.stats.drafted_tokens += len(message.candidates)
+        self.stats.accepted_tokens += accepted
+        self.stats.pipeline_hits += outcome == "hit"
+        self.stats.pipeline_misses += outcome == "miss"
+        self.policy.update(len(message.candidates), accepted)
+        self.on_step(Step(len(message.candidates), accepted, drafter_seconds, result.seconds, alignment_seconds,
+                          outcome))
+
+
+class LocalWorker:
+    """A worker object in this process, called on a thread (tests; the Serve app uses actors)."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+
+    def call(self, method: str, *args) -> Awaitable:
+        # run_in_executor starts the call now, like an actor call, even if nobody awaits it (a close)
+        return asyncio.get_running_loop().run_in_executor(None, functools.partial(getattr(self.worker, method), *args))
+
+    def call_detached(self, method: str, *args) -> None:
+        self.call(method, *args)
+
+
+class ActorWorker:
+    """A worker Ray actor: a direct actor call (~1 ms) per step, no Serve handle hop (~3 ms)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def call(self, method: str, *args) -> Awaitable:
+        return getattr(self.handle, method).remote(*args)
+
+    def call_detached(self, method: str, *args) -> None:
+        # Ray cancels every call a cancelled task made, recursively, even one made while it unwinds; a call
+        # made from an empty context belongs to no task (what Serve's own long-poll client does).
+        contextvars.Context().run(getattr(self.handle, method).remote, *args)

@@ -1,0 +1,95 @@
+"""The KV sessions one model actor holds, keyed by request id: bounded, locked, freed when idle.
+
+An actor serves many requests at once from a thread pool; each request's calls arrive one after the
+other, but a close (client gone) may race a draft still running, so every session has its own lock and
+a close waits for the call in progress. A session nobody touched for ``idle_timeout_s`` is freed by a
+background sweep, so a coordinator that died mid-request cannot leak a KV cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Generic, Iterator, TypeVar
+
+Session = TypeVar("Session")
+
+
+class SessionLimitReached(RuntimeError):
+    """The actor already holds max_sessions KV caches."""
+
+
+class UnknownSession(KeyError):
+    """No session with this request id: never opened, closed, or freed after being idle."""
+
+
+@dataclass
+class _Entry(Generic[Session]):
+    session: Session
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class Sessions(Generic[Session]):
+    def __init__(self, max_sessions: int, idle_timeout_s: float, release: Callable[[Session], None]):
+        self.max_sessions = max_sessions
+        self.idle_timeout_s = idle_timeout_s
+        self._release = release
+        self._entries: dict[str, _Entry[Session]] = {}
+        self._guard = threading.Lock()  # protects the dict, never held during model work
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def open(self, request_id: str, session: Session) -> None:
+        with self._guard:
+            if request_id in self._entries:
+                raise ValueError(f"session {request_id} is already open")
+            if len(self._entries) >= self.max_sessions:
+                raise SessionLimitReached(f"this actor already holds {self.max_sessions} sessions (max_sessions)")
+            self._entries[request_id] = _Entry(session)
+
+    @contextmanager
+    def use(self, request_id: str) -> Iterator[Session]:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            raise UnknownSession(request_id)
+        with entry.lock:
+            if self._entries.get(request_id) is not entry:  # closed while we waited for the lock
+                raise UnknownSession(request_id)
+            entry.last_used = time.monotonic()
+            try:
+                yield entry.session
+            finally:
+                entry.last_used = time.monotonic()
+
+    def close(self, request_id: str) -> bool:
+        """Free a session; False if there was none (already closed or expired)."""
+        with self._guard:
+            entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return False
+        with entry.lock:  # a call still running on this session finishes first
+            self._release(entry.session)
+        return True
+
+    def close_idle(self) -> list[str]:
+        """Free the sessions idle for longer than the timeout (a busy one is never idle); their ids."""
+        deadline = time.monotonic() - self.idle_timeout_s
+        expired = [request_id for request_id, entry in list(self._entries.items())
+                   if entry.last_used < deadline and not entry.lock.locked()]
+        return [request_id for request_id in expired if self.close(request_id)]
+
+    def start_sweeper(self, on_expired: Callable[[list[str]], None] = lambda ids: None) -> threading.Thread:
+        def sweep() -> None:
+            while True:
+                time.sleep(min(5.0, self.idle_timeout_s / 4))
+                expired = self.close_idle()
+                if expired:
+                    on_expired(expired)
+
+        thread = threading.Thread(target=sweep, name="kv-session-sweeper", daemon=True)
+        thread.start()
+        return thread

@@ -1,0 +1,221 @@
+"""Drafter and target workers: one model each, and the KV sessions of the requests in flight.
+
+Plain classes: the Serve app makes them Ray actors (``ray.remote``) at bind time, tests may run them in
+process. They call the library's steps and nothing else, so the distributed loop computes what
+``hetspec.engine.Engine.stream`` computes: the drafter ``algorithm.draft`` on a ``DrafterSide``, the
+target ``TargetSide.verify``. Alignment and the bookkeeping stay in the coordinator.
+
+Large tensors leave through ``store`` and arrive through ``fetch`` (``ray.put`` / ``ray.get`` in actors):
+``draft_probs`` [k, target_vocab] travels by object reference from the drafter to the target.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide, PairMaps, make_algorithm
+from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
+from hetspec.engine import TargetSide
+from hetspec.models import LanguageModel, load_model
+
+from deployments.config import PipelineConfig
+from deployments.metrics import worker_metrics
+from deployments.sessions import Sessions
+
+log = logging.getLogger("hetspec.workers")
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass
+class ModelInfo:
+    """What the coordinator needs of a model it does not hold: its tokenizer, logits width and EOS ids."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def stand_in(self) -> LanguageModel:
+        """A LanguageModel without weights: enough for tokenizing, vocabulary maps and ``OutputText``."""
+        return LanguageModel(name=self.name, model=None, tokenizer=self.tokenizer, device=torch.device("cpu"),
+                             vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
+
+
+@dataclass
+class DraftMessage:
+    """A draft on the wire: drafter -> coordinator (aligned there) -> target.
+
+    ``draft_probs`` is a stored [rows, target_vocab] tensor (an ObjectRef between actors) or None;
+    candidate i's row is ``first_row + i`` (a speculative draft used without its first token skips a row).
+    """
+
+    candidates: list[int] = field(default_factory=list)
+    text: bytes = b""
+    draft_probs: Any = None
+    first_row: int = 0
+    drafter_forwards: int = 0
+    seconds: float = 0.0  # time inside the drafter
+
+
+@dataclass
+class VerifyResult:
+    new_ids: list[int]  # accepted candidates and the target's own next token
+    seconds: float  # time inside the target
+
+
+def _load(model: ModelConfig | LanguageModel) -> LanguageModel:
+    if isinstance(model, LanguageModel):
+        return model
+    return load_model(model.model, dtype=model.dtype, device=model.device, threads=model.threads)
+
+
+class _Worker:
+    role = "worker"
+
+    def __init__(self, model: ModelConfig | LanguageModel, pipeline: PipelineConfig, release: Callable[[Any], None]):
+        self.model = _load(model)
+        self.actor_id = uuid.uuid4().hex[:8]
+        self.sessions: Sessions = Sessions(pipeline.max_sessions, pipeline.session_idle_timeout_s, release)
+        self.sessions.start_sweeper(self._expired)
+        self._calls = 0
+        self._calls_guard = threading.Lock()
+        self._metrics = worker_metrics()
+        self._tags = {"role": self.role, "actor": self.actor_id}
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.model.name, self.model.tokenizer, self.model.vocab_size, self.model.eos_token_ids)
+
+    def ping(self) -> str:
+        return self.actor_id
+
+    def node_id(self) -> str | None:
+        try:
+            import ray
+            return ray.get_runtime_context().get_node_id()
+        except Exception:  # not in a Ray worker
+            return None
+
+    def stats(self) -> dict:
+        return {"actor": self.actor_id, "model": self.model.name, "active_sessions": len(self.sessions),
+                "max_sessions": self.sessions.max_sessions, "calls_in_progress": self._calls}
+
+    def close(self, request_id: str) -> bool:
+        closed = self.sessions.close(request_id)
+        self._publish()
+        log.debug("closed session request_id=%s role=%s found=%s", request_id, self.role, closed)
+        return closed
+
+    def _open(self, request_id: str, session: Any) -> None:
+        self.sessions.open(request_id, session)
+        self._publish()
+
+    def _expired(self, request_ids: list[str]) -> None:
+        self._metrics.expired_sessions.inc(len(request_ids), tags={"role": self.role})
+        self._publish()
+        log.warning("freed idle sessions role=%s request_ids=%s", self.role, ",".join(request_ids))
+
+    def _publish(self) -> None:
+        self._metrics.active_sessions.set(len(self.sessions), tags=self._tags)
+        self._metrics.queue_depth.set(self._calls, tags=self._tags)
+
+    def _count_call(self, delta: int) -> None:
+        with self._calls_guard:
+            self._calls += delta
+        self._metrics.queue_depth.set(self._calls, tags=self._tags)
+
+
+@dataclass
+class _DrafterSession:
+    side: DrafterSide
+    algorithm: Algorithm
+    params: SamplingParams
+
+
+class DrafterWorker(_Worker):
+    role = "drafter"
+
+    def __init__(self, model: ModelConfig | LanguageModel, pipeline: PipelineConfig,
+                 store: Callable[[torch.Tensor], Any] = _same):
+        super().__init__(model, pipeline, release=lambda session: session.side.release())
+        self.store = store
+        self.maps: PairMaps | None = None
+
+    def attach_target(self, target: ModelInfo) -> None:
+        """Vocabulary maps of the pair, built once; warmed here because actor threads share them."""
+        self.maps = PairMaps(self.model, target.stand_in())
+        _ = self.maps.intersection, self.maps.intersection_inverse, self.maps.first_target_token
+
+    def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
+             params: SamplingParams) -> None:
+        if self.maps is None:
+            raise RuntimeError("attach_target must run before the drafter opens sessions")
+        session = _DrafterSession(DrafterSide(self.model, prompt_ids, speculation.alignment_window),
+                                  make_algorithm(algorithm, self.maps, speculation, params), params)
+        self._open(request_id, session)
+
+    def draft(self, request_id: str, committed: bytes, k: int, first_position: int) -> DraftMessage:
+        """``algorithm.draft`` after the committed text (the drafter re-syncs to it first)."""
+        self._count_call(+1)
+        try:
+            with self.sessions.use(request_id) as session:
+                started = time.perf_counter()
+                draft = session.algorithm.draft(session.side, committed, k, session.params, first_position)
+                draft_probs = self.store(draft.draft_probs) if draft.draft_probs is not None else None
+                return DraftMessage(candidates=draft.candidates, text=draft.text, draft_probs=draft_probs,
+                                    drafter_forwards=draft.drafter_forwards,
+                                    seconds=time.perf_counter() - started)
+        finally:
+            self._count_call(-1)
+
+
+@dataclass
+class _TargetSession:
+    side: TargetSide
+    algorithm: Algorithm
+    params: SamplingParams
+
+
+class TargetWorker(_Worker):
+    role = "target"
+
+    def __init__(self, model: ModelConfig | LanguageModel, pipeline: PipelineConfig,
+                 fetch: Callable[[Any], torch.Tensor] = _same):
+        super().__init__(model, pipeline, release=lambda session: session.side.release())
+        self.fetch = fetch
+
+    def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
+             params: SamplingParams) -> None:
+        # Verification reads only the algorithm's acceptance rule (``exact``): no vocabulary maps needed here.
+        session = _TargetSession(TargetSide(self.model, prompt_ids),
+                                 ALGORITHM_CLASSES[algorithm](None, speculation), params)
+        self._open(request_id, session)
+
+    def verify(self, request_id: str, message: DraftMessage) -> VerifyResult:
+        self._count_call(+1)
+        try:
+            with self.sessions.use(request_id) as session:
+                started = time.perf_counter()
+                draft = Draft(candidates=message.candidates, draft_probs=self._draft_probs(message, session))
+                new_ids = session.side.verify(session.algorithm, draft, session.params)
+                return VerifyResult(new_ids, time.perf_counter() - started)
+        finally:
+            self._count_call(-1)
+
+    def _draft_probs(self, message: DraftMessage, session: _TargetSession) -> torch.Tensor | None:
+        """[len(candidates), target_vocab] rows of the stored draft distribution, or None."""
+        if session.algorithm.exact or session.params.greedy:
+            return None
+        if message.draft_probs is None:  # no draft this step: k = 0 rows, the target samples on its own
+            return torch.zeros(0, self.model.vocab_size)
+        rows = self.fetch(message.draft_probs)
+        return rows[message.first_row:message.first_row + len(message.candidates)]

@@ -1,0 +1,107 @@
+"""A Serve deployment of hetspec for the tests: the small pair (float32) on a simulated three-node cluster.
+
+Imported by tests/test_serve.py (``from serve_fixtures import ...``). One app serves every test of the
+module so the two models load once: the coordinator, drafter and target bundles are STRICT_SPREAD over
+three nodes (custom resources name them), which is also what the placement test checks.
+
+Ray 2.60 turns token authentication on for a new local cluster and writes a token to ~/.ray/auth_token;
+the tests set RAY_AUTH_MODE=disabled instead (a private cluster bound to 127.0.0.1, nothing written
+under the home folder). See deployments/README.md, "Token authentication".
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL_CONFIG = REPO / "deployments" / "config.small.yaml"
+NODE_RESOURCES = ({"node_head": 1.0}, {"node_a": 1.0}, {"node_b": 1.0})
+NEW_TOKENS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def small_app_args(**overrides) -> dict:
+    """The ``args`` of config.small.yaml with some sections updated (e.g. pipeline={...})."""
+    args = yaml.safe_load(SMALL_CONFIG.read_text())["applications"][0]["args"]
+    for section, values in overrides.items():
+        args[section] = {**args.get(section, {}), **values} if isinstance(values, dict) else values
+    return args
+
+
+def grpc_servicer_functions() -> list[str]:
+    return yaml.safe_load(SMALL_CONFIG.read_text())["grpc_options"]["grpc_servicer_functions"]
+
+
+@dataclass
+class ServedApp:
+    http_url: str  # e.g. http://127.0.0.1:PORT
+    grpc_target: str  # e.g. 127.0.0.1:PORT
+    args: dict
+    model_id: str
+
+
+def _wait_for_http(url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s} s")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def served_app():
+    """serve.run of build_app(config.small.yaml args) on three simulated nodes; shut down afterwards."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+    from ray.serve.config import gRPCOptions
+
+    from deployments.app import build_app
+
+    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH")}
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    # Serve's gRPC proxy imports the stubs outside any runtime_env: the repo must be on every process's path.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved["PYTHONPATH"]]))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": NODE_RESOURCES[0]})
+    for resources in NODE_RESOURCES[1:]:
+        cluster.add_node(num_cpus=1, resources=resources)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        http_port, grpc_port = free_port(), free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=grpc_servicer_functions()))
+        args = small_app_args(pipeline={"placement_strategy": "STRICT_SPREAD"},
+                              limits={"default_max_new_tokens": NEW_TOKENS})
+        serve.run(build_app(args), name="hetspec", route_prefix="/", blocking=False)
+        _wait_for_http(f"http://127.0.0.1:{http_port}", timeout_s=300)
+        yield ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", args, args["model_id"])
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value

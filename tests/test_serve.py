@@ -1,0 +1,271 @@
+"""The Serve deployment end to end: gRPC and OpenAI HTTP against the library's own output.
+
+One app for the whole module (tests/serve_fixtures.py): target gemma3-270m, drafter smollm2-135m,
+float32, STRICT_SPREAD over three simulated nodes. Greedy output must be token for token the target's
+alone (``ar``, computed in this process with the library's Engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+
+from hetspec import Engine, SamplingParams, SpeculationConfig
+from protos.hetspec.v1 import hetspec_pb2 as pb
+from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
+from serve_fixtures import NEW_TOKENS, served_app  # noqa: F401 -- the module's fixture
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "The capital of France is",
+    "東京は日本の首都で、",
+    "SELECT name, COUNT(*) FROM users WHERE",
+]
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def engine(gemma, smollm, served_app):  # noqa: F811
+    gemma.tokenizer.chat_template = gemma.tokenizer.chat_template or served_app.args["chat_template"]
+    return Engine(gemma, smollm)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """The target alone, greedy: what every algorithm and both runtimes must output."""
+    cache = {}
+
+    def generate(prompt: str | None = None, messages=None, max_new_tokens: int = NEW_TOKENS, **params):
+        key = (prompt, json.dumps(messages), max_new_tokens, json.dumps(params, sort_keys=True))
+        if key not in cache:
+            cache[key] = engine.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens, **params),
+                                         messages=messages, speculation=SpeculationConfig(algorithm="ar"))
+        return cache[key]
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(served_app):  # noqa: F811
+    with grpc.insecure_channel(served_app.grpc_target) as channel:
+        yield pb_grpc.HetSpecStub(channel)
+
+
+@pytest.fixture(scope="module")
+def openai_client(served_app):  # noqa: F811
+    import openai
+
+    return openai.OpenAI(base_url=f"{served_app.http_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _stats(served_app) -> dict:  # noqa: F811
+    return httpx.get(f"{served_app.http_url}/v1/stats", timeout=30).json()
+
+
+def _wait_until_idle(served_app, timeout_s: float = 60) -> dict:  # noqa: F811
+    """Closing a session is asynchronous (fire and forget): poll the stats route, bounded."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _stats(served_app)
+        if stats["target"]["active_sessions"] == 0 and stats["drafter"]["active_sessions"] == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sessions still open after {timeout_s} s: {stats}")
+        time.sleep(0.2)
+
+
+def test_grpc_generate_matches_library(grpc_stub, reference):
+    expected = reference(PROMPTS[0])
+    response = grpc_stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], temperature=0.0), timeout=300)
+    assert list(response.token_ids) == expected.token_ids
+    assert response.text == expected.text
+    assert response.finish_reason == expected.finish_reason
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.prompt_tokens == expected.stats.prompt_tokens
+    assert response.stats.algorithm == "slem"  # auto, greedy, different tokenizers
+    assert response.stats.target_forwards <= len(expected.token_ids)
+    assert response.stats.drafted_tokens >= response.stats.accepted_tokens
+
+
+def test_grpc_stream_matches_library(grpc_stub, reference):
+    expected = reference(PROMPTS[2])
+    request = pb.GenerateRequest(prompt=PROMPTS[2], algorithm="tli", draft_tokens=3)
+    messages = list(grpc_stub.GenerateStream(request, timeout=300))
+    assert [token for message in messages for token in message.token_ids] == expected.token_ids
+    assert "".join(message.text for message in messages) == expected.text
+    assert [message.finish_reason for message in messages[:-1]] == [""] * (len(messages) - 1)
+    assert messages[-1].finish_reason == expected.finish_reason
+    assert messages[-1].stats.algorithm == "tli"
+    assert messages[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_grpc_sampling_tli_matches_library(grpc_stub, engine, pipelined):
+    """TLI at temperature 0.8: draft_probs travel by object reference; non-pipelined is the library's sample."""
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=7)
+    expected = engine.generate(PROMPTS[1], params, speculation=SpeculationConfig(algorithm="tli", draft_tokens=3))
+    request = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=12, temperature=0.8, seed=7, algorithm="tli",
+                                 draft_tokens=3, pipelined=pipelined)
+    response = grpc_stub.Generate(request, timeout=300)
+    assert response.stats.algorithm == "tli" and response.stats.drafted_tokens > 0
+    assert len(response.token_ids) == len(expected.token_ids)
+    if not pipelined:  # pipelined drafts differ, so the sample is another one of the same distribution
+        assert list(response.token_ids) == expected.token_ids
+
+
+def test_http_completion_openai_client(openai_client, served_app, reference):  # noqa: F811
+    expected = reference(PROMPTS[3])
+    completion = openai_client.completions.create(
+        model=served_app.model_id, prompt=PROMPTS[3], max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"hetspec": {"algorithm": "slrs", "draft_tokens": 2}})
+    assert completion.choices[0].text == expected.text
+    assert completion.choices[0].finish_reason == expected.finish_reason
+    assert completion.usage.completion_tokens == len(expected.token_ids)
+    extension = completion.model_extra["hetspec"]
+    assert extension["token_ids"] == expected.token_ids
+    assert extension["stats"]["algorithm"] == "slrs"
+
+
+def test_http_chat_openai_client(openai_client, served_app, reference):  # noqa: F811
+    expected = reference(messages=CHAT)
+    chat = openai_client.chat.completions.create(model=served_app.model_id, messages=CHAT, temperature=0,
+                                                 max_tokens=NEW_TOKENS)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected.text
+    assert chat.model_extra["hetspec"]["token_ids"] == expected.token_ids
+    assert chat.usage.prompt_tokens == expected.stats.prompt_tokens
+
+
+def test_http_chat_stream_openai_client(openai_client, served_app, reference):  # noqa: F811
+    expected = reference(messages=CHAT)
+    stream = openai_client.chat.completions.create(model=served_app.model_id, messages=CHAT, temperature=0,
+                                                   max_tokens=NEW_TOKENS, stream=True,
+                                                   stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == expected.text
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_eight_concurrent_streams_pipelined_and_not(served_app, reference):  # noqa: F811
+    """4 prompts x (pipelined, not): 8 streaming requests at once on the same actors, all the library's."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{served_app.http_url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+    async def stream(prompt: str, pipelined: bool) -> tuple[list[int], str, dict]:
+        token_ids, pieces, stats = [], [], {}
+        chunks = await client.completions.create(model=served_app.model_id, prompt=prompt, max_tokens=NEW_TOKENS,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"hetspec": {"pipelined": pipelined}})
+        async for chunk in chunks:
+            pieces.append(chunk.choices[0].text)
+            token_ids.extend(chunk.model_extra["hetspec"]["token_ids"])
+            stats = chunk.model_extra["hetspec"].get("stats", stats)
+        return token_ids, "".join(pieces), stats
+
+    async def all_streams():
+        jobs = [(prompt, pipelined) for prompt in PROMPTS for pipelined in (False, True)]
+        return jobs, await asyncio.gather(*(stream(prompt, pipelined) for prompt, pipelined in jobs))
+
+    jobs, results = asyncio.run(all_streams())
+    for (prompt, pipelined), (token_ids, text, stats) in zip(jobs, results):
+        expected = reference(prompt)
+        assert (token_ids, text) == (expected.token_ids, expected.text), (prompt, pipelined)
+        assert stats["pipelined"] is pipelined
+        if not pipelined:
+            assert stats["pipeline_hits"] == stats["pipeline_misses"] == 0
+    stats = _wait_until_idle(served_app)
+    assert stats["ongoing_requests"] == 0
+
+
+def test_sessions_freed_after_client_disconnects(served_app):  # noqa: F811
+    before = _wait_until_idle(served_app)
+    body = {"model": served_app.model_id, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+            "stream": True, "hetspec": {"ignore_eos": True}}
+    with httpx.Client(timeout=300) as client:
+        with client.stream("POST", f"{served_app.http_url}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+            during = _stats(served_app)
+            assert during["target"]["active_sessions"] == 1 and during["drafter"]["active_sessions"] == 1
+        # leaving the block closes the connection mid-stream (200 tokens take far longer than we stay)
+    after = _wait_until_idle(served_app)
+    assert after["cancelled_requests"] == before["cancelled_requests"] + 1
+
+
+def test_placement_strict_spread_puts_each_on_its_own_node(served_app):  # noqa: F811
+    from ray import serve
+
+    nodes = serve.get_deployment_handle("HetSpecServer", app_name="hetspec").actor_nodes.remote().result()
+    assert None not in nodes.values()
+    assert len(set(nodes.values())) == 3, nodes  # coordinator, drafter and target: three different nodes
+
+
+def test_models_and_health_routes(served_app):  # noqa: F811
+    models = httpx.get(f"{served_app.http_url}/v1/models", timeout=30).json()
+    assert [model["id"] for model in models["data"]] == [served_app.model_id]
+    assert httpx.get(f"{served_app.http_url}/health", timeout=30).json() == {"status": "ok"}
+
+
+BAD_HTTP = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"temperature": 5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"prompt": ""}, "prompt"),
+    ({"model": "gpt-4"}, "model"),
+    ({"hetspec": {"algorithm": "magic"}}, "hetspec.algorithm"),
+    ({"hetspec": {"algorithm": "sd"}}, "algorithm"),  # sd needs a same-vocabulary drafter
+    ({"hetspec": {"draft_tokens": 0}}, "hetspec.draft_tokens"),
+    ({"best_of_luck": 1}, "best_of_luck"),
+    ({"stop": [""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize("change,field", BAD_HTTP, ids=[field for _, field in BAD_HTTP])
+def test_bad_http_input_is_400_naming_the_field(served_app, change, field):  # noqa: F811
+    body = {"model": served_app.model_id, "prompt": "hello", "max_tokens": 4, **change}
+    response = httpx.post(f"{served_app.http_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == field and field in error["message"]
+
+
+def test_bad_chat_input_through_openai_client(openai_client, served_app):  # noqa: F811
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.chat.completions.create(model=served_app.model_id, messages=[], max_tokens=4)
+    assert raised.value.status_code == 400 and raised.value.body["param"] == "messages"
+
+
+BAD_GRPC = [
+    (pb.GenerateRequest(prompt=""), "prompt"),
+    (pb.GenerateRequest(prompt="hi", max_new_tokens=0), "max_new_tokens"),
+    (pb.GenerateRequest(prompt="hi", temperature=-1), "temperature"),
+    (pb.GenerateRequest(prompt="hi", top_p=1.5), "top_p"),
+    (pb.GenerateRequest(prompt="hi", algorithm="magic"), "algorithm"),
+    (pb.GenerateRequest(prompt="hi", draft_tokens=65), "draft_tokens"),
+]
+
+
+@pytest.mark.parametrize("request_message,field", BAD_GRPC, ids=[field for _, field in BAD_GRPC])
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_bad_grpc_input_is_invalid_argument(grpc_stub, request_message, field, method):
+    with pytest.raises(grpc.RpcError) as raised:
+        result = getattr(grpc_stub, method)(request_message, timeout=60)
+        list(result) if method == "GenerateStream" else result
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith(f"{field}:"), raised.value.details()
