@@ -1,0 +1,102 @@
+"""Losslessness on real models with different tokenizers (float32): token ids identical to the target alone."""
+
+import pytest
+import torch
+
+from hetspec import Engine, SamplingParams, SpeculationConfig
+from hetspec.engine import TargetSide
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    "The history of the printing press begins",
+    "def quicksort(items):\n",
+    "La capitale de la France est une ville qui",
+    "東京は日本の首都で、",
+    "Party time 🎉🥳! Here are five emoji and why",
+    "   Leading spaces, then numbers: 3.14159, 2.71828,",
+    "SELECT name, COUNT(*) FROM users WHERE",
+    "Q: What is 17 * 23?\nA:",
+]
+NEW_TOKENS = 64
+
+
+def _ar_reference(engine: Engine, prompt: str, params: SamplingParams) -> list[int]:
+    return engine.generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
+
+
+@pytest.mark.parametrize("direction", ["gemma<-smollm", "smollm<-gemma"])
+def test_greedy_identical_to_target_alone(gemma, smollm, direction):
+    target, drafter = (gemma, smollm) if direction == "gemma<-smollm" else (smollm, gemma)
+    engine = Engine(target, drafter)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    accepted_per_pass = {}
+    for prompt in PROMPTS:
+        reference = _ar_reference(engine, prompt, params)
+        assert len(reference) == NEW_TOKENS
+        for algorithm in ("slem", "tli", "slrs"):
+            result = engine.generate(prompt, params, speculation=SpeculationConfig(algorithm=algorithm, draft_tokens=4))
+            assert result.token_ids == reference, (direction, algorithm, prompt)
+            accepted_per_pass.setdefault(algorithm, []).append(result.stats.mean_accepted_per_pass)
+    print(direction, {name: round(sum(values) / len(values), 2) for name, values in accepted_per_pass.items()})
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_seeded_slem_sampling_reproduces_target_sampling(gemma, smollm, seed):
+    engine = Engine(gemma, smollm)
+    for prompt in PROMPTS[:3]:
+        params = SamplingParams(max_new_tokens=40, temperature=0.8, top_p=0.95, top_k=50, seed=seed, ignore_eos=True)
+        reference = _ar_reference(engine, prompt, params)
+        result = engine.generate(prompt, params, speculation=SpeculationConfig(algorithm="slem"))
+        assert result.token_ids == reference
+        assert result.stats.accepted_tokens > 0  # the drafter did contribute, it was not a silent fallback
+
+
+def test_seeds_change_sampled_output(gemma):
+    engine = Engine(gemma)
+    outputs = {tuple(engine.generate(PROMPTS[0], SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed)).token_ids)
+               for seed in range(4)}
+    assert len(outputs) > 1
+
+
+@pytest.mark.parametrize("algorithm", ["slem", "sd", "tli"])
+def test_drafter_identical_to_target_accepts_every_draft(gemma, algorithm):
+    engine = Engine(gemma, gemma)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    reference = _ar_reference(engine, PROMPTS[0], params)
+    result = engine.generate(PROMPTS[0], params, speculation=SpeculationConfig(algorithm=algorithm, draft_tokens=4))
+    assert result.token_ids == reference
+    assert result.stats.drafted_tokens > 0
+    assert result.stats.accepted_tokens == result.stats.drafted_tokens
+
+
+def test_rollback_leaves_exactly_the_accepted_prefix(gemma):
+    """After a rejection the cache must equal a fresh prefill of the committed ids, past Gemma's 512-token window."""
+    prompt_ids = gemma.encode_prompt("All work and no play makes Jack a dull boy. " * 60)[:600]
+    side = TargetSide(gemma, prompt_ids)
+    logits = side.logits_for([])
+    greedy = int(logits[-1].argmax())
+    wrong = [(greedy + 1) % gemma.vocab_size, 7, 8, 9]
+    side.commit([], 0, greedy)
+    committed = list(side.ids)
+    logits_k = side.logits_for(wrong)  # rejected at the first candidate
+    side.commit(wrong, 0, int(logits_k[0].argmax()))
+    assert side.session.length == len(side.ids) - 1 == len(committed)
+    next_logits = side.logits_for([])[-1]
+    fresh = gemma.new_session().extend(side.ids, logits_to_keep=1)[-1]
+    assert torch.allclose(next_logits, fresh, atol=2e-4)
+    assert int(next_logits.argmax()) == int(fresh.argmax())
+
+
+def test_hugging_face_assisted_generation_agrees(gemma, smollm):
+    """The peer: transformers' universal assisted generation gives the same greedy tokens on the same pair."""
+    engine = Engine(gemma, smollm)
+    for prompt in PROMPTS[:2]:
+        ours = engine.generate(prompt, SamplingParams(max_new_tokens=32, ignore_eos=True),
+                               speculation=SpeculationConfig(algorithm="slem"))
+        input_ids = torch.tensor([gemma.encode_prompt(prompt)])
+        with torch.inference_mode():
+            peer = gemma.model.generate(input_ids, assistant_model=smollm.model, tokenizer=gemma.tokenizer,
+                                        assistant_tokenizer=smollm.tokenizer, do_sample=False, max_new_tokens=32,
+                                        min_new_tokens=32, attention_mask=torch.ones_like(input_ids))
+        assert peer[0, input_ids.shape[1]:].tolist() == ours.token_ids

