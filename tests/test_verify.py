@@ -179,18 +179,21 @@ def test_top_p_applies_after_top_k_and_temperature():
                           atol=1e-6)
 
 
-def test_top_p_ties_at_the_boundary_keep_the_lowest_ids():
-    """Token 0 has 0.4 and 16 tokens tie at 0.0375; top_p=0.45 needs two of the tied tokens.
+@pytest.mark.parametrize("vocab_size", [17, 5000])
+def test_top_p_keeps_every_token_tied_with_the_one_crossing_it(vocab_size):
+    """Token 0 has 0.4, the others tie; top_p needs 2.5 of the tied tokens, so all of them stay (as with top_k).
 
-    Which two must not depend on the sort's internals (torch.sort is unstable: it picks ids 8 and 16
-    here), or a row alone (ar, SLEM) and the same row in a [k+1, vocab] batch (SD/TLI verification),
-    or CPU and GPU workers, could sample from different supports. Convention: lowest ids win.
+    Keeping only some would make the support depend on the order torch.sort / torch.topk give equal
+    values, which differs between a row alone (ar, SLEM), the same row in a [k+1, vocab] batch (SD/TLI
+    verification), top_k=0 versus top_k=vocab, and CPU versus GPU workers.
     """
-    logits = torch.tensor([0.4] + [0.6 / 16] * 16).log()
-    alone = logits_to_probs(logits, 1.0, top_p=0.45)
-    assert torch.nonzero(alone).flatten().tolist() == [0, 1, 2]
-    batched = logits_to_probs(torch.stack([logits.roll(1), logits]), 1.0, top_p=0.45)
-    assert torch.equal(batched[1], alone)
+    tied_prob = 0.6 / (vocab_size - 1)
+    logits = torch.tensor([0.4] + [tied_prob] * (vocab_size - 1)).log()
+    top_p = 0.4 + 2.5 * tied_prob
+    alone = logits_to_probs(logits, 1.0, top_p=top_p)
+    assert torch.allclose(alone, torch.softmax(logits, -1))
+    assert torch.equal(logits_to_probs(torch.stack([logits.roll(1), logits]), 1.0, top_p=top_p)[1], alone)
+    assert torch.equal(logits_to_probs(logits, 1.0, top_k=vocab_size, top_p=top_p), alone)
 
 
 def test_rows_are_independent_distributions():
