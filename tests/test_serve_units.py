@@ -1,0 +1,224 @@
+"""The Serve app's parts that need no cluster: configs, stubs, sessions, request translation, speculation hits."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deployments.app import deployment_options
+from deployments.config import AppConfig
+from deployments.coordinator import InvalidRequest
+from deployments.grpc_service import to_generation
+from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
+from deployments.pipeline import _Speculation
+from deployments.sessions import Sessions, SessionLimitReached, UnknownSession
+from deployments.workers import DraftMessage
+from protos.generate import stale_stubs
+from protos.hetspec.v1 import hetspec_pb2 as pb
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG_FILES = sorted((REPO / "deployments").glob("config*.yaml"))
+SMALL_PAIR = {"target": {"model": "gemma3-270m"}, "drafter": {"model": "smollm2-135m"}}
+
+
+def test_the_three_config_files_exist():
+    assert [path.name for path in CONFIG_FILES] == ["config.gpu.yaml", "config.small.yaml", "config.yaml"]
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[path.name for path in CONFIG_FILES])
+def test_config_file_is_a_valid_serve_config_of_the_app(path):
+    from ray.serve.schema import ServeDeploySchema
+
+    document = yaml.safe_load(path.read_text())
+    ServeDeploySchema.model_validate(document)
+    (application,) = document["applications"]
+    assert application["import_path"] == "deployments.app:build_app"
+    AppConfig.model_validate(application["args"])
+    assert document["grpc_options"]["port"] == 9000
+    assert "port" in document["http_options"]
+    for servicer in document["grpc_options"]["grpc_servicer_functions"]:
+        module, function = servicer.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_gpu_config_gives_each_model_a_gpu():
+    args = yaml.safe_load((REPO / "deployments" / "config.gpu.yaml").read_text())["applications"][0]["args"]
+    config = AppConfig.model_validate(args)
+    assert config.target_resources.num_gpus == 1 and config.drafter_resources.num_gpus == 1
+    assert config.target.device == config.drafter.device == "cuda"
+
+
+def test_app_config_rejects_unknown_fields_by_name():
+    with pytest.raises(ValidationError, match="pipline"):
+        AppConfig.model_validate({**SMALL_PAIR, "pipline": {}})
+    with pytest.raises(ValidationError, match="max_session"):
+        AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"max_session": 3}})
+
+
+def test_app_config_rejects_cuda_without_a_gpu():
+    with pytest.raises(ValidationError, match="target_resources.num_gpus is 0"):
+        AppConfig.model_validate({**SMALL_PAIR, "target": {"model": "gemma3-270m", "device": "cuda"}})
+
+
+def test_every_app_config_field_is_described():
+    from deployments import config as config_module
+
+    for model in (config_module.AppConfig, config_module.PipelineConfig, config_module.ActorResources,
+                  config_module.AutoscalingConfig, config_module.LimitsConfig):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_deployment_reserves_a_bundle_each_for_replica_drafter_and_target():
+    config = AppConfig.model_validate({
+        **SMALL_PAIR, "pipeline": {"placement_strategy": "STRICT_SPREAD"},
+        "coordinator_resources": {"num_cpus": 0},
+        "drafter_resources": {"num_cpus": 1, "num_gpus": 1, "resources": {"drafter_node": 1}},
+        "target_resources": {"num_cpus": 2, "num_gpus": 1},
+        "autoscaling": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}})
+    options = deployment_options(config)
+    assert options["placement_group_bundles"] == [
+        {"CPU": 0.01}, {"CPU": 1, "GPU": 1, "drafter_node": 1}, {"CPU": 2, "GPU": 1}]
+    assert options["placement_group_strategy"] == "STRICT_SPREAD"
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}
+
+
+def test_committed_grpc_stubs_are_current():
+    assert stale_stubs() == [], "run: python -m protos.generate"
+
+
+class TestSessions:
+    def test_limit_close_and_unknown(self):
+        released = []
+        sessions = Sessions(max_sessions=2, idle_timeout_s=60, release=released.append)
+        sessions.open("a", "session a")
+        sessions.open("b", "session b")
+        with pytest.raises(SessionLimitReached):
+            sessions.open("c", "session c")
+        assert sessions.close("a") and released == ["session a"]
+        assert not sessions.close("a")
+        with pytest.raises(UnknownSession):
+            with sessions.use("a"):
+                pass
+        sessions.open("c", "session c")
+        assert len(sessions) == 2
+
+    def test_idle_sessions_are_freed_but_busy_ones_are_not(self):
+        released = []
+        sessions = Sessions(max_sessions=4, idle_timeout_s=0.05, release=released.append)
+        sessions.open("idle", "idle session")
+        sessions.open("busy", "busy session")
+        with sessions.use("busy"):
+            time.sleep(0.1)
+            assert sessions.close_idle() == ["idle"]
+        assert released == ["idle session"] and len(sessions) == 1
+
+    def test_close_waits_for_the_call_in_progress(self):
+        events = []
+        sessions = Sessions(max_sessions=1, idle_timeout_s=60, release=lambda session: events.append("released"))
+        sessions.open("r", "session")
+        entered = threading.Event()
+
+        def long_call():
+            with sessions.use("r"):
+                entered.set()
+                time.sleep(0.2)
+                events.append("call done")
+
+        worker = threading.Thread(target=long_call)
+        worker.start()
+        entered.wait()
+        sessions.close("r")
+        worker.join()
+        assert events == ["call done", "released"]
+
+
+def _invalid_field(function) -> str:
+    with pytest.raises(InvalidRequest) as raised:
+        function()
+    return raised.value.field
+
+
+class TestOpenAIRequests:
+    def test_defaults_follow_openai_except_max_tokens(self):
+        generation = CompletionRequest(model="m", prompt="hi", stop="\n").to_generation(default_max_tokens=32)
+        assert generation.prompt == "hi"
+        assert generation.params.temperature == 1.0 and generation.params.max_new_tokens == 32
+        assert generation.params.stop == ["\n"]
+        assert generation.algorithm is None and generation.pipelined is None
+
+    def test_extension_and_chat_translation(self):
+        body = ChatCompletionRequest(
+            model="m", max_completion_tokens=7, temperature=0, seed=3,
+            messages=[{"role": "developer", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                   {"type": "text", "text": "there"}]}],
+            hetspec={"algorithm": "tli", "draft_tokens": 3, "pipelined": False, "ignore_eos": True})
+        generation = body.to_generation(default_max_tokens=32)
+        assert [message.model_dump() for message in generation.messages] == [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+        assert (generation.algorithm, generation.draft_tokens, generation.pipelined) == ("tli", 3, False)
+        assert generation.params.max_new_tokens == 7 and generation.params.ignore_eos
+        assert generation.params.seed == 3 and generation.params.temperature == 0.0
+
+    @pytest.mark.parametrize("change,field", [
+        ({"n": 2}, "n"), ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"),
+        ({"presence_penalty": 1}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt"), ({"colour": "red"}, "colour"),
+        ({"hetspec": {"k": 3}}, "hetspec.k")])
+    def test_unsupported_or_unknown_fields_are_named(self, change, field):
+        with pytest.raises(ValidationError) as raised:
+            CompletionRequest.model_validate({"model": "m", "prompt": "hi", **change})
+        assert raised.value.errors()[0]["loc"][0] == field.split(".")[0]
+        assert field.split(".")[-1] in str(raised.value)
+
+
+class TestGrpcRequests:
+    def test_unset_fields_take_the_defaults(self):
+        generation = to_generation(pb.GenerateRequest(prompt="hi"), default_max_new_tokens=9)
+        assert generation.params.max_new_tokens == 9 and generation.params.temperature == 0.0
+        assert generation.algorithm is None and generation.draft_tokens is None and generation.pipelined is None
+
+    @pytest.mark.parametrize("request_message,field", [
+        (pb.GenerateRequest(prompt="hi", temperature=-1), "temperature"),
+        (pb.GenerateRequest(prompt="hi", top_k=-2), "top_k"),
+        (pb.GenerateRequest(prompt="hi", algorithm="fast"), "algorithm"),
+        (pb.GenerateRequest(prompt="hi", stop=[""]), "stop")])
+    def test_bad_fields_are_named(self, request_message, field):
+        assert _invalid_field(lambda: to_generation(request_message, 9)).startswith(field)
+
+
+def _usable(draft: DraftMessage, assumed: list[int], new_ids: list[int], table=None):
+    async def resolve():
+        pending = asyncio.get_running_loop().create_future()
+        pending.set_result(draft)
+        return await _Speculation(pending, assumed, table or {}).usable(new_ids)
+
+    return asyncio.run(resolve())[1]
+
+
+class TestSpeculationHits:
+    """A speculative draft assumed its chunk fully accepted and guessed the bonus token with its first token."""
+
+    def test_token_draft_hit_drops_the_guess_and_its_probability_row(self):
+        usable = _usable(DraftMessage(candidates=[9, 4, 5], draft_probs="ref"), assumed=[1, 2], new_ids=[1, 2, 9])
+        assert (usable.candidates, usable.draft_probs, usable.first_row) == ([4, 5], "ref", 1)
+
+    @pytest.mark.parametrize("new_ids", [[1, 2, 8], [1, 7]], ids=["wrong bonus guess", "chunk rejected"])
+    def test_token_draft_miss(self, new_ids):
+        assert _usable(DraftMessage(candidates=[9, 4, 5]), assumed=[1, 2], new_ids=new_ids) is None
+
+    def test_text_draft_hit_keeps_the_text_after_the_bonus_token(self):
+        table = {9: b" world"}
+        usable = _usable(DraftMessage(text=b" world, again"), assumed=[1], new_ids=[1, 9], table=table)
+        assert usable.text == b", again" and usable.candidates == []
+
+    @pytest.mark.parametrize("text", [b" word", b" world"], ids=["disagrees", "nothing after the bonus"])
+    def test_text_draft_miss(self, text):
+        assert _usable(DraftMessage(text=text), assumed=[1], new_ids=[1, 9], table={9: b" world"}) is None
