@@ -170,8 +170,8 @@ class TestOpenAIRequests:
 
     @pytest.mark.parametrize("change,field", [
         ({"n": 2}, "n"), ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"),
-        ({"presence_penalty": 1}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt"), ({"colour": "red"}, "colour"),
-        ({"hetspec": {"k": 3}}, "hetspec.k")])
+        ({"presence_penalty": 1}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt"),
+        ({"colour": "red"}, "colour"), ({"hetspec": {"k": 3}}, "hetspec.k")])
     def test_unsupported_or_unknown_fields_are_named(self, change, field):
         with pytest.raises(ValidationError) as raised:
             CompletionRequest.model_validate({"model": "m", "prompt": "hi", **change})
