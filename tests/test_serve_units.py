@@ -222,3 +222,17 @@ class TestSpeculationHits:
     @pytest.mark.parametrize("text", [b" word", b" world"], ids=["disagrees", "nothing after the bonus"])
     def test_text_draft_miss(self, text):
         assert _usable(DraftMessage(text=text), assumed=[1], new_ids=[1, 9], table={9: b" world"}) is None
+
+
+def test_grafana_dashboard_charts_every_metric_and_only_those():
+    import json
+    import re
+
+    from deployments.metrics import CoordinatorMetrics, WorkerMetrics
+
+    defined = {metric._name for owner in (CoordinatorMetrics(), WorkerMetrics()) for metric in vars(owner).values()}
+    dashboard = json.loads((REPO / "cluster" / "grafana" / "hetspec.json").read_text())
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    charted = {re.sub(r"_(bucket|sum|count)$", "", name)
+               for expression in expressions for name in re.findall(r"ray_(hetspec_\w+)", expression)}
+    assert charted == defined
