@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 KUBERAY = REPO / "cluster" / "kuberay"
 MANIFESTS = ("rayservice.yaml", "rayservice.cpu.yaml")
 SERVE_SOURCES = {"rayservice.yaml": "deployments/config.gpu.yaml", "rayservice.cpu.yaml": "deployments/config.yaml"}
+ALL_MANIFESTS = sorted(path.name for path in KUBERAY.glob("*.yaml"))
 
 
 def _load_module(name: str, path: Path):
@@ -121,9 +122,14 @@ def test_closing_schemas_keeps_open_maps_and_preserved_fields_open():
 
 # ---- manifests are valid and mirror deployments/ ----------------------------------------------------------
 
-@pytest.mark.parametrize("name", MANIFESTS)
+@pytest.mark.parametrize("name", ALL_MANIFESTS)
 def test_manifest_is_valid(name):
     assert validate.file_errors(KUBERAY / name) == []
+
+
+def test_every_embedded_serve_config_has_a_source():
+    embedding = {name for name in ALL_MANIFESTS if "serveConfigV2" in (KUBERAY / name).read_text()}
+    assert embedding == set(SERVE_SOURCES) == set(sync.MIRRORS)
 
 
 @pytest.mark.parametrize("name", MANIFESTS)
