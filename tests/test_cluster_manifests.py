@@ -354,4 +354,5 @@ def test_launcher_config_runs_the_image_with_token_auth_and_room_for_the_pipelin
     assert not any(config[key] for key in ("setup_commands", "head_setup_commands", "worker_setup_commands"))
     args = _app_args({"spec": {"serveConfigV2": (REPO / "deployments" / "config.gpu.yaml").read_text()}})
     gpus_per_pipeline = args["drafter_resources"]["num_gpus"] + args["target_resources"]["num_gpus"]
-    assert config["available_node_types"]["gpu"]["max_workers"] >= args["autoscaling"]["max_replicas"] * gpus_per_pipeline
+    most_gpus_needed = args["autoscaling"]["max_replicas"] * gpus_per_pipeline
+    assert config["available_node_types"]["gpu"]["max_workers"] >= most_gpus_needed

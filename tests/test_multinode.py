@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,11 +41,10 @@ HEAD_SLOT, DRAFTER_SLOT, TARGET_SLOT = "coordinator_slot", "drafter_slot", "targ
 NEW_TOKENS = 12
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is"]
 RECOVERY_DEADLINE_S = 240.0
+SMALL_ARGS = yaml.safe_load(SMALL_CONFIG.read_text())["applications"][0]["args"]
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -178,7 +178,7 @@ def _grpc_tokens(running: RunningCluster, prompt: str, timeout_s: float = 120) -
 
 
 def _http_tokens(running: RunningCluster, prompt: str) -> list[int]:
-    body = {"model": "gemma3-270m", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+    body = {"model": SMALL_ARGS["model_id"], "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
     response = httpx.post(f"{running.http_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["hetspec"]["token_ids"]
@@ -242,7 +242,7 @@ class InFlight:
                     self.started.abort()
 
     def _http(self) -> None:
-        body = {"model": "gemma3-270m", "prompt": PROMPTS[1], "max_tokens": self.max_new_tokens,
+        body = {"model": SMALL_ARGS["model_id"], "prompt": PROMPTS[1], "max_tokens": self.max_new_tokens,
                 "temperature": 0, "stream": True, "hetspec": {"ignore_eos": True}}
         try:
             with httpx.stream("POST", f"{self.running.http_url}/v1/completions", json=body, timeout=200) as response:
@@ -285,8 +285,7 @@ def target_node_loss(running) -> NodeLoss:
     replica_before = _replica_id(running)
     lost_node = running.nodes.pop(TARGET_SLOT)
     # The server's longest completion: still running when the node goes.
-    max_new_tokens = yaml.safe_load(SMALL_CONFIG.read_text())["applications"][0]["args"]["limits"]["max_new_tokens"]
-    in_flight = InFlight(running, max_new_tokens).start()
+    in_flight = InFlight(running, SMALL_ARGS["limits"]["max_new_tokens"]).start()
     running.cluster.remove_node(lost_node)
     in_flight.join()
     return NodeLoss(lost_node, replica_before, in_flight)
