@@ -88,6 +88,14 @@ class AppConfig(StrictModel):
         "a model's own template always wins."))
 
     @model_validator(mode="after")
+    def _sessions_for_every_request(self) -> "AppConfig":
+        # each ongoing request of a replica holds one session in each of the replica's actors
+        if self.autoscaling.max_ongoing_requests > self.pipeline.max_sessions:
+            raise ValueError(f"autoscaling.max_ongoing_requests ({self.autoscaling.max_ongoing_requests}) must not "
+                             f"exceed pipeline.max_sessions ({self.pipeline.max_sessions})")
+        return self
+
+    @model_validator(mode="after")
     def _gpu_devices(self) -> "AppConfig":
         for name in ("target", "drafter"):
             model, resources = getattr(self, name), getattr(self, f"{name}_resources")

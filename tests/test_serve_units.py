@@ -236,3 +236,9 @@ def test_grafana_dashboard_charts_every_metric_and_only_those():
     charted = {re.sub(r"_(bucket|sum|count)$", "", name)
                for expression in expressions for name in re.findall(r"ray_(hetspec_\w+)", expression)}
     assert charted == defined
+
+
+def test_app_config_rejects_more_ongoing_requests_than_sessions():
+    with pytest.raises(ValidationError, match="max_ongoing_requests"):
+        AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"max_sessions": 4},
+                                  "autoscaling": {"max_ongoing_requests": 8}})
