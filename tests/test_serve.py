@@ -33,8 +33,11 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def engine(gemma, smollm, served_app):  # noqa: F811
-    gemma.tokenizer.chat_template = gemma.tokenizer.chat_template or served_app.args["chat_template"]
-    return Engine(gemma, smollm)
+    """The library in this process, with the chat template the app gives the (base) target model."""
+    own_template = gemma.tokenizer.chat_template
+    gemma.tokenizer.chat_template = own_template or served_app.args["chat_template"]
+    yield Engine(gemma, smollm)
+    gemma.tokenizer.chat_template = own_template  # the session-wide model is shared with other modules
 
 
 @pytest.fixture(scope="module")
