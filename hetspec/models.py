@@ -82,7 +82,7 @@ class KVSession:
         kept = len(token_ids) if logits_to_keep is None else logits_to_keep
         model = self.language_model.model
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.language_model.device)
-        output = model(input_ids=input_ids, past_key_values=self.cache, use_cache=True, logits_to_keep=kept)
+        output = model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=kept)
         self.length += len(token_ids)
         return output.logits[0, -kept:, :].float()
 

@@ -52,17 +52,18 @@ def _nucleus(probs: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p; the token crossing top_p stays.
 
     Sorting a 262k vocabulary costs more than the model's forward pass on CPU, so only the top_k (else 1024)
-    most likely tokens are sorted; when they hold less than top_p of the mass the whole row is. Tokens left out
-    would have at least top_p of mass before them, so they would be cut either way.
+    most likely tokens are sorted; when they hold less than top_p of the mass the whole row is.
     """
     vocab_size = probs.shape[-1]
     count = min(vocab_size, top_k if top_k > 0 else 1024)
-    sorted_probs, order = torch.topk(probs, count, dim=-1)
+    sorted_probs, _ = torch.topk(probs, count, dim=-1)
     if count < vocab_size and bool((sorted_probs.sum(dim=-1) < top_p).any()):
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    nucleus = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    # Every token tied with the last one kept stays too (as in top-k), so the support never depends on
+    # how sort or topk happened to order ties.
+    threshold = sorted_probs.masked_fill(mass_before >= top_p, float("inf")).amin(dim=-1, keepdim=True)
+    nucleus = probs.masked_fill(probs < threshold, 0.0)
     return nucleus / nucleus.sum(dim=-1, keepdim=True)
 
 

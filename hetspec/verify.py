@@ -63,10 +63,12 @@ def speculative_sampling(candidates: list[int], draft_probs: torch.Tensor, targe
     if k:
         index = torch.arange(k)
         candidate_ids = torch.tensor(candidates)
-        ratio = (target_probs[index, candidate_ids] / draft_probs[index, candidate_ids]).tolist()
+        candidate_target_probs = target_probs[index, candidate_ids].tolist()
+        candidate_draft_probs = draft_probs[index, candidate_ids].tolist()
     for i in range(k):
         coin = uniform(seed, Stream.ACCEPT, first_position + i)
-        if coin >= ratio[i]:  # accepted when coin < min(1, ratio)
+        # accepted when coin < target/draft, written without the division so 0/0 rejects instead of NaN
+        if not coin * candidate_draft_probs[i] < candidate_target_probs[i]:
             recovered = residual_probs(target_probs[i], draft_probs[i])
             return i, sample_from(recovered, uniform(seed, Stream.RESIDUAL, first_position + i))
     return k, sample_from(target_probs[k], uniform(seed, Stream.TARGET, first_position + k))
@@ -79,7 +81,7 @@ def verify_candidates(candidates: list[int], draft_probs: torch.Tensor | None, t
 
     target_logits: [k+1, vocab]; draft_probs: [k, vocab] on the target vocabulary, or None when exact.
     """
-    if exact or temperature == 0.0:
+    if exact or temperature == 0.0 or not candidates:  # no candidates: the target's own sample, as k=0 SD
         return exact_match(candidates, target_choices(target_logits, temperature, top_k, top_p, seed,
                                                       first_position))
     assert draft_probs is not None, "speculative sampling needs the draft distributions"

@@ -39,8 +39,9 @@ class StringLevelExactMatch(Algorithm):
                 token = int(torch.argmax(logits))
             else:
                 probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
-                # any draft is lossless here; the seed only makes the drafter's choices reproducible
-                token = sample_from(probs, uniform(params.seed, Stream.DRAFT, len(drafter.context.ids)))
+                # Any draft is lossless here. Drawing with the target's own numbers for these positions makes a
+                # drafter that agrees with the target draw the very token the target will draw.
+                token = sample_from(probs, uniform(params.seed, Stream.TARGET, first_position + step))
             if probs is not None and self._stop_early(float(probs.max()), step):
                 break
             if table[token] is None:  # EOS or another special token: the string ends here
