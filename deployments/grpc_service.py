@@ -17,6 +17,7 @@ from hetspec.engine import StreamEvent
 
 from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
                                      serve_request_id, validation_to_invalid)
+from deployments.pipeline import WorkerLost
 from protos.hetspec.v1 import hetspec_pb2 as pb
 
 # GenerationRequest's names -> the proto's, for error details.
@@ -70,6 +71,9 @@ class GrpcMethods:
                     yield event
         except Overloaded as error:
             _fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            raise
+        except WorkerLost as error:
+            _fail(grpc_context, grpc.StatusCode.UNAVAILABLE, str(error))
             raise
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:  # noqa: N802

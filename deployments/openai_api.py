@@ -20,6 +20,7 @@ from deployments.coordinator import (Coordinator, InvalidRequest, Overloaded, Pr
                                      validation_to_invalid)
 from deployments.openai_protocol import (FIELD_NAMES, ChatCompletionRequest, CompletionRequest, ResponseWriter,
                                          error_body, request_error, sse)
+from deployments.pipeline import WorkerLost
 
 log = logging.getLogger("ray.serve")
 
@@ -74,6 +75,8 @@ async def _respond(coordinator: Coordinator, body: CompletionRequest | ChatCompl
                     return writer.whole("".join(pieces), token_ids, event)
     except Overloaded as error:
         return JSONResponse(error_body(str(error), None, "server_busy", "overloaded"), status_code=503)
+    except WorkerLost as error:
+        return JSONResponse(error_body(str(error), None, "server_unavailable", "worker_lost"), status_code=503)
     raise AssertionError("the decode loop ended without a finish reason")
 
 
@@ -88,6 +91,8 @@ async def _stream(coordinator: Coordinator, prepared: Prepared, writer: Response
     except Overloaded as error:
         # headers are sent already: the error travels as an event, the way OpenAI's streams report one
         yield sse(error_body(str(error), None, "server_busy", "overloaded"))
+    except WorkerLost as error:
+        yield sse(error_body(str(error), None, "server_unavailable", "worker_lost"))
     except Exception as error:  # noqa: BLE001 -- report, don't leave the client waiting on a cut stream
         log.exception("stream failed request_id=%s", prepared.request_id)
         yield sse(error_body(f"internal error: {type(error).__name__}", None, "server_error"))

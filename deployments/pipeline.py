@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
+from ray.exceptions import ActorDiedError, RayActorError
+
 from hetspec.algorithms import Algorithm, Draft
 from hetspec.align import complete_utf8_length
 from hetspec.config import SamplingParams
@@ -201,16 +203,49 @@ class LocalWorker:
         self.call(method, *args)
 
 
-class ActorWorker:
-    """A worker Ray actor: a direct actor call (~1 ms) per step, no Serve handle hop (~3 ms)."""
+class WorkerLost(RuntimeError):
+    """The drafter or target actor died (or is unreachable) during a call; the client may retry."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, role: str):
+        super().__init__(f"the {role} actor is gone (its process or node died); this request is lost, the pipeline "
+                         "is being rebuilt: retry")
+        self.role = role
+
+    def __reduce__(self):  # it crosses process boundaries (replica -> proxy) pickled
+        return WorkerLost, (self.role,)
+
+
+class ActorWorker:
+    """A worker Ray actor: a direct actor call (~1 ms) per step, no Serve handle hop (~3 ms).
+
+    ``handle`` may be replaced by a new actor (``deployments.actors``): calls always go to the current one.
+    A call that finds the actor dead raises ``WorkerLost`` and reports the loss through ``on_lost``.
+    """
+
+    def __init__(self, role: str, handle=None, on_lost: Callable[[str], None] = lambda role: None) -> None:
+        self.role = role
         self.handle = handle
+        self.on_lost = on_lost
 
     def call(self, method: str, *args) -> Awaitable:
-        return getattr(self.handle, method).remote(*args)
+        task = asyncio.ensure_future(self._result(getattr(self.handle, method).remote(*args)))
+        task.add_done_callback(_retrieve)  # a dropped speculative draft's failure is not worth a warning
+        return task
+
+    async def _result(self, ref):
+        try:
+            return await ref
+        except RayActorError as error:
+            if isinstance(error, ActorDiedError):
+                self.on_lost(self.role)
+            raise WorkerLost(self.role) from error
 
     def call_detached(self, method: str, *args) -> None:
         # Ray cancels every call a cancelled task made, recursively, even one made while it unwinds; a call
         # made from an empty context belongs to no task (what Serve's own long-poll client does).
         contextvars.Context().run(getattr(self.handle, method).remote, *args)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,95 @@
+"""The drafter and target actors of one coordinator replica: started in the replica's placement group,
+replaced when one dies.
+
+Bundle 0 of the group is the replica's own, 1 the drafter's, 2 the target's. When a node dies, Ray
+re-places its bundles once a node with the resources joins (the autoscaler's replacement machine); a
+replacement actor created in the same bundle starts there, so the replica keeps serving without Serve
+restarting it. Requests running on the lost actor fail with ``WorkerLost`` (gRPC UNAVAILABLE, HTTP 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+from ray.exceptions import ActorDiedError, RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deployments.config import ActorResources, AppConfig
+from deployments.pipeline import ActorWorker
+from deployments.workers import DrafterWorker, ModelInfo, TargetWorker
+
+log = logging.getLogger("ray.serve")
+
+BUNDLES = {"drafter": 1, "target": 2}  # bundle 0 is the replica's own
+
+
+def _actor_options(resources: ActorResources, config: AppConfig, bundle_index: int) -> dict:
+    options: dict = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus,
+                     "resources": dict(resources.resources),
+                     "max_concurrency": config.pipeline.actor_max_concurrency}  # threads: requests interleave
+    if resources.memory_bytes:
+        options["memory"] = resources.memory_bytes
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=bundle_index)
+    return options
+
+
+class ActorPipeline:
+    def __init__(self, config: AppConfig):
+        self.config = config
+        self.target = ActorWorker("target", on_lost=self.replace_later)
+        self.drafter = ActorWorker("drafter", on_lost=self.replace_later)
+        self.target_info: ModelInfo | None = None
+        self.drafter_info: ModelInfo | None = None
+        self._replacing: dict[str, asyncio.Task] = {}
+
+    def _new_actor(self, role: str):
+        worker_class, resources = ((TargetWorker, self.config.target_resources) if role == "target"
+                                   else (DrafterWorker, self.config.drafter_resources))
+        options = _actor_options(resources, self.config, BUNDLES[role])
+        model = self.config.target if role == "target" else self.config.drafter
+        io = {"fetch": ray.get} if role == "target" else {"store": ray.put}
+        return ray.remote(worker_class).options(**options).remote(model, self.config.pipeline, **io)
+
+    async def start(self) -> None:
+        """Both actors; returns once both models are loaded and the drafter knows the target's vocabulary."""
+        self.target.handle, self.drafter.handle = self._new_actor("target"), self._new_actor("drafter")
+        target_info = self.target.handle.info.remote()
+        attached = self.drafter.handle.attach_target.remote(target_info)  # the tokenizer goes by reference
+        self.target_info, self.drafter_info, _ = await asyncio.gather(
+            target_info, self.drafter.handle.info.remote(), attached)
+
+    def replace_later(self, role: str) -> None:
+        """Replace a dead actor in the background, once (calls meanwhile wait for the new actor)."""
+        if role not in self._replacing or self._replacing[role].done():
+            self._replacing[role] = asyncio.get_running_loop().create_task(self._replace(role))
+
+    async def _replace(self, role: str) -> None:
+        log.warning("replacing the %s actor of this replica", role)
+        worker = self.target if role == "target" else self.drafter
+        worker.handle = self._new_actor(role)
+        if role == "drafter":  # a new drafter needs the target's vocabulary again
+            await worker.handle.attach_target.remote(ray.put(self.target_info))
+        else:
+            await worker.handle.ping.remote()
+        log.warning("the %s actor of this replica is back", role)
+
+    async def check(self) -> None:
+        """Replace an actor found dead; raise if a replacement itself failed (Serve then restarts us)."""
+        for role, task in list(self._replacing.items()):
+            if task.done() and task.exception() is not None:
+                del self._replacing[role]
+                raise RuntimeError(f"replacing the {role} actor failed") from task.exception()
+        for worker in (self.target, self.drafter):
+            if worker.role in self._replacing and not self._replacing[worker.role].done():
+                continue
+            try:
+                await worker.handle.ping.remote()
+            except ActorDiedError:
+                self.replace_later(worker.role)
+            except RayActorError:  # unreachable for now (a network blip): the next check looks again
+                log.warning("the %s actor of this replica does not answer", worker.role)
