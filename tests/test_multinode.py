@@ -41,6 +41,7 @@ HEAD_SLOT, DRAFTER_SLOT, TARGET_SLOT = "coordinator_slot", "drafter_slot", "targ
 NEW_TOKENS = 12
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is"]
 RECOVERY_DEADLINE_S = 240.0
+STREAM_TIMEOUT_S = 120.0  # an in-flight stream silent this long has hung instead of failing
 SMALL_ARGS = yaml.safe_load(SMALL_CONFIG.read_text())["applications"][0]["args"]
 
 
@@ -222,7 +223,7 @@ class InFlight:
 
     def join(self) -> None:
         for thread in self.threads:
-            thread.join(timeout=240)
+            thread.join(timeout=STREAM_TIMEOUT_S + 60)
             assert not thread.is_alive(), "an in-flight request neither finished nor failed"
 
     def _grpc(self) -> None:
@@ -230,7 +231,7 @@ class InFlight:
         messages = 0
         with grpc.insecure_channel(self.running.grpc_target) as channel:
             try:
-                for _ in pb_grpc.HetSpecStub(channel).GenerateStream(request, timeout=200):
+                for _ in pb_grpc.HetSpecStub(channel).GenerateStream(request, timeout=STREAM_TIMEOUT_S):
                     messages += 1
                     if messages == 1:
                         self.started.wait()
@@ -245,7 +246,8 @@ class InFlight:
         body = {"model": SMALL_ARGS["model_id"], "prompt": PROMPTS[1], "max_tokens": self.max_new_tokens,
                 "temperature": 0, "stream": True, "hetspec": {"ignore_eos": True}}
         try:
-            with httpx.stream("POST", f"{self.running.http_url}/v1/completions", json=body, timeout=200) as response:
+            url = f"{self.running.http_url}/v1/completions"
+            with httpx.stream("POST", url, json=body, timeout=STREAM_TIMEOUT_S) as response:
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
