@@ -25,17 +25,25 @@ def _ar_reference(engine: Engine, prompt: str, params: SamplingParams) -> list[i
     return engine.generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
 
 
-@pytest.mark.parametrize("direction", ["gemma<-smollm", "smollm<-gemma"])
+# The draft length policies change speed only; each direction runs a different one so both are covered.
+DIRECTIONS = {
+    "gemma<-smollm": SpeculationConfig(draft_tokens=4, adaptive=True),
+    "smollm<-gemma": SpeculationConfig(draft_tokens=4, adaptive=True, confidence_threshold=0.3),
+}
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
 def test_greedy_identical_to_target_alone(gemma, smollm, direction):
     target, drafter = (gemma, smollm) if direction == "gemma<-smollm" else (smollm, gemma)
     engine = Engine(target, drafter)
+    speculation = DIRECTIONS[direction]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     accepted_per_pass = {}
     for prompt in PROMPTS:
         reference = _ar_reference(engine, prompt, params)
         assert len(reference) == NEW_TOKENS
         for algorithm in ("slem", "tli", "slrs"):
-            result = engine.generate(prompt, params, speculation=SpeculationConfig(algorithm=algorithm, draft_tokens=4))
+            result = engine.generate(prompt, params, speculation=speculation.model_copy(update={"algorithm": algorithm}))
             assert result.token_ids == reference, (direction, algorithm, prompt)
             accepted_per_pass.setdefault(algorithm, []).append(result.stats.mean_accepted_per_pass)
     print(direction, {name: round(sum(values) / len(values), 2) for name, values in accepted_per_pass.items()})
