@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[3, 5], help="fixed draft lengths k")
     parser.add_argument("--adaptive", action="store_true",
                         help="also run hetspec's adaptive draft length (starting at the largest k)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0,
+                        help="hetspec: stop a draft once the drafter's top probability is below this (0: never)")
     parser.add_argument("--hf-drafts", nargs="+",
                         help="hf-assisted settings: default, heuristic or numbers (default: default + --draft-tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -156,7 +158,8 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     families = [name.strip() for name in args.algorithms.split(",") if name.strip()]
     hf_drafts = args.hf_drafts or ["default", *map(str, args.draft_tokens)]
     methods = build_methods(families, args.draft_tokens, args.adaptive, hf_drafts, same_vocabulary)
-    runner = Runner(engine, params, args.chat, same_vocabulary, adaptive_start=max(args.draft_tokens))
+    runner = Runner(engine, params, args.chat, same_vocabulary, adaptive_start=max(args.draft_tokens),
+                    confidence_threshold=args.confidence_threshold)
     records: list[RunRecord] = []
     costs: dict[str, dict] = {}
     try:
@@ -181,7 +184,8 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
                 "device": args.device, "task": args.task, "num_prompts": len(cases), "prompt_offset": args.prompt_offset,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "chat": args.chat, "draft_tokens": args.draft_tokens,
-                "adaptive": args.adaptive, "same_vocabulary": same_vocabulary, "methods": [m.name for m in methods],
+                "adaptive": args.adaptive, "confidence_threshold": args.confidence_threshold,
+                "same_vocabulary": same_vocabulary, "methods": [m.name for m in methods],
                 "hf_assisted_settings": {draft: runner.effective_assistant_settings(draft) for draft in hf_drafts}}
     result = {"meta": meta, "settings": settings, "note": args.note, "headline": analysis.headline(summary),
               "summary": summary,
@@ -204,9 +208,8 @@ def write_results(result: dict, folder: Path, with_plots: bool) -> list[Path]:
     return written
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Entry point of ``python -m benchmarks.bench`` and ``hetspec bench``; returns the result dict."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def run(argv: list[str]) -> dict:
+    """Run the benchmark described by command-line ``argv``, write its files, return the result."""
     args = parse_args(argv)
     import transformers
 
@@ -218,5 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m benchmarks.bench`` and ``hetspec bench``; returns the exit status."""
+    run(list(sys.argv[1:] if argv is None else argv))
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

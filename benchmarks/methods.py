@@ -100,9 +100,10 @@ class Runner:
     """Runs methods on prompts with one loaded pair, measuring every forward of both models."""
 
     def __init__(self, engine: Engine, params: SamplingParams, chat: bool, same_vocabulary: bool,
-                 adaptive_start: int):
+                 adaptive_start: int, confidence_threshold: float = 0.0):
         self.engine = engine
         self.adaptive_start = adaptive_start  # first k of the adaptive policy
+        self.confidence_threshold = confidence_threshold  # hetspec's early draft stop; 0 never stops
         self.target, self.drafter = engine.target, engine.drafter
         self.params = params
         self.chat = chat
@@ -150,7 +151,7 @@ class Runner:
                          self.target_meter.take(), drafter_calls, stats, extra)
 
     def _run_hetspec(self, spec: MethodSpec, case: PromptCase, params: SamplingParams):
-        speculation = {"algorithm": spec.family}
+        speculation = {"algorithm": spec.family, "confidence_threshold": self.confidence_threshold}
         if spec.draft == "adaptive":
             speculation.update(adaptive=True, draft_tokens=self.adaptive_start)
         elif spec.uses_drafter:

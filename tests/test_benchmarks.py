@@ -82,9 +82,10 @@ def test_prompt_sets_have_the_requested_sizes():
 @pytest.mark.real
 def test_bench_end_to_end_on_the_small_pair(tmp_path):
     """Every method on one prompt, 8 greedy float32 tokens: outputs written, all identical to ar."""
-    bench.main(["--pair", "small", "--task", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
-                "--draft-tokens", "3", "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted",
-                "--hf-drafts", "3", "--warmup-tokens", "2", "--cost-repeats", "1", "--out", str(tmp_path)])
+    status = bench.main(["--pair", "small", "--task", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
+                         "--draft-tokens", "3", "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted",
+                         "--hf-drafts", "3", "--warmup-tokens", "2", "--cost-repeats", "1", "--out", str(tmp_path)])
+    assert status == 0
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {row["method"]: row for row in result["summary"]}
     assert list(rows) == ["ar", "slem/k3", "tli/k3", "slrs/k3", "hf-greedy", "hf-assisted/k3"]  # no sd: two vocabularies
