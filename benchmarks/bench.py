@@ -198,9 +198,16 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     return result, folder
 
 
+def to_json(result: dict) -> str:
+    """Indented, except one line per run: the runs hold every forward call and would fill thousands of lines."""
+    head = json.dumps({key: value for key, value in result.items() if key != "runs"}, indent=1)
+    runs = ",\n".join("  " + json.dumps(run, separators=(",", ":")) for run in result["runs"])
+    return head[:-2] + ',\n "runs": [\n' + runs + "\n ]\n}\n"
+
+
 def write_results(result: dict, folder: Path, with_plots: bool) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (folder / "results.json").write_text(to_json(result))
     (folder / "results.md").write_text(report.markdown(result))
     written = [folder / "results.json", folder / "results.md"]
     if with_plots:

@@ -8,6 +8,7 @@ import json
 import grpc
 import httpx
 import pytest
+import torch
 
 from benchmarks import analysis, bench
 from benchmarks.meter import ForwardCall, cost_sizes
@@ -82,9 +83,14 @@ def test_prompt_sets_have_the_requested_sizes():
 @pytest.mark.real
 def test_bench_end_to_end_on_the_small_pair(tmp_path):
     """Every method on one prompt, 8 greedy float32 tokens: outputs written, all identical to ar."""
-    status = bench.main(["--pair", "small", "--task", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
-                         "--draft-tokens", "3", "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted",
-                         "--hf-drafts", "3", "--warmup-tokens", "2", "--cost-repeats", "1", "--out", str(tmp_path)])
+    threads = torch.get_num_threads()
+    try:  # one thread: on a shared, busy CPU two threads per process stall each other (~10x slower)
+        status = bench.main(["--pair", "small", "--task", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
+                             "--draft-tokens", "3", "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted",
+                             "--hf-drafts", "3", "--warmup-tokens", "2", "--cost-repeats", "1", "--threads", "1",
+                             "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)  # load_model set it process-wide
     assert status == 0
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {row["method"]: row for row in result["summary"]}
