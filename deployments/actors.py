@@ -71,11 +71,13 @@ class ActorPipeline:
     async def _replace(self, role: str) -> None:
         log.warning("replacing the %s actor of this replica", role)
         worker = self.target if role == "target" else self.drafter
+        worker.available = False  # requests fail fast (UNAVAILABLE) instead of queueing on an actor not yet there
         worker.handle = self._new_actor(role)
         if role == "drafter":  # a new drafter needs the target's vocabulary again
             await worker.handle.attach_target.remote(ray.put(self.target_info))
         else:
             await worker.handle.ping.remote()
+        worker.available = True
         log.warning("the %s actor of this replica is back", role)
 
     async def check(self) -> None:

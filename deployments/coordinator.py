@@ -25,7 +25,7 @@ from hetspec.models import LanguageModel
 
 from deployments.config import AppConfig
 from deployments.metrics import coordinator_metrics
-from deployments.pipeline import DecodeLoop, PipelineStats, Step, Worker
+from deployments.pipeline import DecodeLoop, PipelineStats, Step, Worker, WorkerLost
 from deployments.sessions import SessionLimitReached
 from deployments.workers import ModelInfo
 
@@ -155,7 +155,7 @@ class Coordinator:
     async def run(self, prepared: Prepared, protocol: str) -> AsyncIterator[StreamEvent]:
         """The request's stream events; its KV sessions are freed however it ends (cancellation included)."""
         request_id, algorithm = prepared.request_id, prepared.algorithm
-        drafter = self.drafter if algorithm.needs_drafter else None
+        workers: list[Worker] = []  # the actors holding this request's sessions
         started = time.perf_counter()
         first_text, finished = True, False
         self._track(+1)
@@ -163,11 +163,16 @@ class Coordinator:
                  "pipelined=%s", request_id, protocol, algorithm.name, len(prepared.target_prompt_ids),
                  prepared.params.max_new_tokens, prepared.pipelined)
         try:
-            await self._open(prepared, drafter)
+            # pinned: if an actor is replaced meanwhile, this request fails (WorkerLost) instead of calling
+            # a new actor that never saw its session
+            target = self.target.pinned()
+            drafter = self.drafter.pinned() if algorithm.needs_drafter else None
+            workers = [target] + ([drafter] if drafter else [])
+            await self._open(prepared, target, drafter)
             loop = DecodeLoop(request_id, algorithm, prepared.params, OutputText(self.target_model, prepared.params),
                               DraftLength(prepared.speculation),
                               PipelineStats(algorithm=algorithm.name, prompt_tokens=len(prepared.target_prompt_ids)),
-                              list(prepared.target_prompt_ids), self.target, drafter, prepared.pipelined,
+                              list(prepared.target_prompt_ids), target, drafter, prepared.pipelined,
                               on_step=lambda step: self._record_step(algorithm.name, step))
             async for event in loop.run():
                 if first_text and event.text:
@@ -195,13 +200,12 @@ class Coordinator:
             raise
         finally:
             self._track(-1)
-            self.target.call_detached("close", request_id)
-            if drafter is not None:
-                drafter.call_detached("close", request_id)
+            for worker in workers:
+                worker.call_detached("close", request_id)
 
-    async def _open(self, prepared: Prepared, drafter: Worker | None) -> None:
+    async def _open(self, prepared: Prepared, target: Worker, drafter: Worker | None) -> None:
         args = (prepared.algorithm.name, prepared.speculation, prepared.params)
-        opening = [self.target.call("open", prepared.request_id, prepared.target_prompt_ids, *args)]
+        opening = [target.call("open", prepared.request_id, prepared.target_prompt_ids, *args)]
         if drafter is not None:
             opening.append(drafter.call("open", prepared.request_id, prepared.drafter_prompt_ids, *args))
         try:
@@ -210,7 +214,13 @@ class Coordinator:
             raise Overloaded(str(error)) from None
 
     async def stats(self) -> dict:
-        target, drafter = await asyncio.gather(self.target.call("stats"), self.drafter.call("stats"))
+        async def actor_stats(worker: Worker) -> dict:
+            try:
+                return await worker.call("stats")
+            except WorkerLost as error:
+                return {"error": str(error)}
+
+        target, drafter = await asyncio.gather(actor_stats(self.target), actor_stats(self.drafter))
         return {"replica": self.replica, "ongoing_requests": self.ongoing,
                 **{f"{outcome}_requests": count for outcome, count in self.outcomes.items()},
                 "target": target, "drafter": drafter}

@@ -118,7 +118,10 @@ def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordi
 
     @app.get("/health")
     async def health(coordinator: Coordinator = Depends(get_coordinator)):
-        await coordinator.check_health()
+        try:
+            await coordinator.check_health()
+        except WorkerLost as error:  # an actor is being replaced
+            return JSONResponse({"status": "unavailable", "detail": str(error)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/stats")

@@ -43,6 +43,9 @@ class Worker(Protocol):
     def call_detached(self, method: str, *args) -> None:
         """A call that must happen even if the calling request is being cancelled (closing its sessions)."""
 
+    def pinned(self) -> "Worker":
+        """This worker as it is now, for one request: it keeps calling the process that holds its sessions."""
+
 
 @dataclass
 class PipelineStats(Stats):
@@ -202,6 +205,9 @@ class LocalWorker:
     def call_detached(self, method: str, *args) -> None:
         self.call(method, *args)
 
+    def pinned(self) -> "LocalWorker":
+        return self
+
 
 class WorkerLost(RuntimeError):
     """The drafter or target actor died (or is unreachable) during a call; the client may retry."""
@@ -218,16 +224,25 @@ class WorkerLost(RuntimeError):
 class ActorWorker:
     """A worker Ray actor: a direct actor call (~1 ms) per step, no Serve handle hop (~3 ms).
 
-    ``handle`` may be replaced by a new actor (``deployments.actors``): calls always go to the current one.
-    A call that finds the actor dead raises ``WorkerLost`` and reports the loss through ``on_lost``.
+    ``handle`` is replaced when the actor is (``deployments.actors``); while a replacement starts the worker
+    is not ``available`` and calls fail at once. A call that finds the actor dead raises ``WorkerLost`` and
+    reports the loss through ``on_lost``.
     """
 
     def __init__(self, role: str, handle=None, on_lost: Callable[[str], None] = lambda role: None) -> None:
         self.role = role
         self.handle = handle
         self.on_lost = on_lost
+        self.available = True
+
+    def pinned(self) -> "ActorWorker":
+        if not self.available:
+            raise WorkerLost(self.role)
+        return ActorWorker(self.role, self.handle, self.on_lost)
 
     def call(self, method: str, *args) -> Awaitable:
+        if not self.available:
+            raise WorkerLost(self.role)
         task = asyncio.ensure_future(self._result(getattr(self.handle, method).remote(*args)))
         task.add_done_callback(_retrieve)  # a dropped speculative draft's failure is not worth a warning
         return task
