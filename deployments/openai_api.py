@@ -37,6 +37,8 @@ def _invalid(error: InvalidRequest) -> JSONResponse:
 
 async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     first = error.errors()[0]
+    if first["type"] == "json_invalid":  # its location is a character offset, not a field
+        return JSONResponse(error_body(f"body: {first['msg']}", "body"), status_code=400)
     location = [str(part) for part in first["loc"] if part != "body"]
     # a union's branch name (str, list[str], ...) is not a field: keep the field names only
     param = ".".join(part for part in location if not any(mark in part for mark in "[]")) or "body"

@@ -246,6 +246,12 @@ def test_bad_http_input_is_400_naming_the_field(served_app, change, field):  # n
     assert error["param"] == field and field in error["message"]
 
 
+def test_malformed_json_is_400(served_app):  # noqa: F811
+    response = httpx.post(f"{served_app.http_url}/v1/completions", content=b'{"model": ', timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "body"
+
+
 def test_bad_chat_input_through_openai_client(openai_client, served_app):  # noqa: F811
     import openai
 
