@@ -42,8 +42,19 @@ class HetSpecServer(GrpcMethods):
         return {"coordinator": ray.get_runtime_context().get_node_id(), "target": target, "drafter": drafter}
 
 
+# Replica slots beyond the generation requests' (running + waiting): /health, /v1/models and /v1/stats get in
+# while the replica is full, and a request past the limits reaches the replica to be told so (429 + Retry-After).
+CONTROL_SLOTS = 8
+
+
 def deployment_options(config: AppConfig) -> dict:
-    scaling = config.autoscaling
+    """Serve options of the deployment.
+
+    ``max_ongoing_requests`` is above what the replica's own admission lets run or wait, so the replica
+    decides (with an OpenAI error body and a Retry-After header); Serve's ``max_queued_requests`` bounds what
+    each proxy holds when every replica is full or still starting, answered 429 with Retry-After too.
+    """
+    scaling, limits = config.autoscaling, config.limits
     replica = config.coordinator_resources
     actor_options: dict = {"num_cpus": replica.num_cpus, "num_gpus": replica.num_gpus,
                            "resources": dict(replica.resources)}
@@ -55,7 +66,9 @@ def deployment_options(config: AppConfig) -> dict:
         "placement_group_bundles": [replica.bundle(), config.drafter_resources.bundle(),
                                     config.target_resources.bundle()],
         "placement_group_strategy": config.pipeline.placement_strategy,
-        "max_ongoing_requests": scaling.max_ongoing_requests,
+        "max_ongoing_requests": limits.max_running_requests + limits.max_waiting_requests + CONTROL_SLOTS,
+        "max_queued_requests": scaling.max_queued_requests,
+        "backpressure_config": {"status_code": 429, "retry_after_s": limits.retry_after_s},
         "autoscaling_config": {"min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
                                "target_ongoing_requests": scaling.target_ongoing_requests},
         "health_check_period_s": 10,
@@ -67,4 +80,6 @@ def build_app(args: dict) -> serve.Application:
     """The Serve app builder named in the config files (``import_path: deployments.app:build_app``)."""
     config = AppConfig.model_validate(args)
     ingress = serve.ingress(build_openai_app)(HetSpecServer)
-    return serve.deployment(ingress, **deployment_options(config)).bind(config.model_dump(mode="json"))
+    # plain JSON for the replicas, API keys included (every other dump of the config masks them)
+    replica_args = config.model_dump(mode="json", context={"reveal_secrets": True})
+    return serve.deployment(ingress, **deployment_options(config)).bind(replica_args)

@@ -6,9 +6,11 @@ KubeRay manifest that embeds it fails at deploy time with the field's name, not 
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+import os
+from typing import Literal, Mapping
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, SecretStr, SerializationInfo, field_serializer, field_validator, model_validator
 
 from hetspec.config import ModelConfig, SpeculationConfig, StrictModel
 
@@ -50,7 +52,9 @@ class AutoscalingConfig(StrictModel):
     max_replicas: int = Field(1, ge=1, description="Most coordinator replicas (each one a whole pipeline).")
     target_ongoing_requests: float = Field(4.0, gt=0.0, description=(
         "Ongoing requests per replica the autoscaler aims for."))
-    max_ongoing_requests: int = Field(16, ge=1, description="Requests one replica accepts before Serve queues them.")
+    max_queued_requests: int = Field(64, ge=1, description=(
+        "Requests each Serve proxy holds while every replica is full or still starting (e.g. a new pipeline "
+        "loading its models); beyond: HTTP 429 / gRPC RESOURCE_EXHAUSTED from Serve itself, with Retry-After."))
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingConfig":
@@ -64,10 +68,78 @@ class LimitsConfig(StrictModel):
     max_new_tokens: int = Field(1024, ge=1, le=32768, description="Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = Field(128, ge=1, le=32768, description=(
         "max_new_tokens of a request that gives none (capped by max_new_tokens)."))
+    max_running_requests: int = Field(16, ge=1, le=4096, description=(
+        "Requests one pipeline (replica) decodes at once, each holding a KV session in both actors."))
+    max_waiting_requests: int = Field(32, ge=0, le=65536, description=(
+        "Requests one replica holds, first come first served, while max_running_requests decode; beyond: "
+        "HTTP 429 / gRPC RESOURCE_EXHAUSTED with a Retry-After hint. 0: no waiting, reject at once."))
+    retry_after_s: float = Field(1.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "The Retry-After hint (seconds, rounded up) sent with a request turned away because the server is full."))
+    request_timeout_s: float | None = Field(600.0, gt=0.0, allow_inf_nan=False, description=(
+        "Longest a request may take on a replica, waiting included; past it the request stops, its KV "
+        "sessions are freed and the client gets HTTP 408 / gRPC DEADLINE_EXCEEDED. None: no limit."))
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> "LimitsConfig":
+        if self.default_max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) must not exceed "
+                             f"max_new_tokens ({self.max_new_tokens})")
+        return self
+
+    @property
+    def retry_after_header(self) -> str:
+        """Retry-After's value: whole seconds (RFC 9110 delay-seconds), rounded up."""
+        return str(math.ceil(self.retry_after_s))
+
+
+# API keys go in HTTP headers and gRPC metadata: printable ASCII, no spaces, no commas (the env var's separator).
+_KEY_CHARACTERS = frozenset(chr(code) for code in range(0x21, 0x7F)) - {","}
+
+
+class AuthConfig(StrictModel):
+    model_config = ConfigDict(**StrictModel.model_config, hide_input_in_errors=True)  # errors never echo a key
+
+    api_keys: list[SecretStr] = Field(default_factory=list, description=(
+        "API keys a client may present (HTTP 'Authorization: Bearer <key>', gRPC metadata 'authorization: "
+        "Bearer <key>' or 'x-api-key'). Anyone who can read the Serve config (dashboard, 'serve config') "
+        "sees them: prefer api_key_env. No key from here or the environment: no authentication."))
+    api_key_env: str | None = Field("HETSPEC_API_KEY", min_length=1, description=(
+        "Environment variable each replica reads at start: when set and not empty, its comma-separated keys "
+        "replace api_keys (e.g. filled from a Kubernetes Secret). None: the environment is not read."))
+
+    @field_validator("api_keys")
+    @classmethod
+    def _header_safe(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for index, key in enumerate(keys):  # never echo a key in the error
+            if not key.get_secret_value() or not set(key.get_secret_value()) <= _KEY_CHARACTERS:
+                raise ValueError(f"api_keys[{index}] must be non-empty printable ASCII without spaces or commas")
+        return keys
+
+    @field_serializer("api_keys", when_used="always")
+    def _dump_keys(self, keys: list[SecretStr], info: SerializationInfo) -> list:
+        # masked in every dump except the one handing the config to the replicas (build_app)
+        if (info.context or {}).get("reveal_secrets"):
+            return [key.get_secret_value() for key in keys]
+        return [key if info.mode == "python" else str(key) for key in keys]
+
+    def resolve_keys(self, environ: Mapping[str, str] = os.environ) -> list[str]:
+        """The keys in force: the environment variable's when it is set and not empty, else api_keys."""
+        from_env = environ.get(self.api_key_env, "").strip() if self.api_key_env else ""
+        if from_env:
+            keys = [key.strip() for key in from_env.split(",") if key.strip()]
+            if any(not set(key) <= _KEY_CHARACTERS for key in keys):
+                raise ValueError(f"${self.api_key_env} must hold printable ASCII keys without spaces, "
+                                 "separated by commas")
+            return keys
+        return [key.get_secret_value() for key in self.api_keys]
 
 
 class AppConfig(StrictModel):
     """The whole application: the ``args`` of ``deployments.app:build_app`` in a Serve config file."""
+
+    # Errors name the field and the rule but never repeat the input: it may hold an API key (auth.api_keys),
+    # and Serve shows a failed deployment's error to anyone who can read its status.
+    model_config = ConfigDict(**StrictModel.model_config, hide_input_in_errors=True)
 
     model_id: str = Field("hetspec", min_length=1, description="Model name served by /v1/models and echoed back.")
     target: ModelConfig = Field(description="The target model: its distribution is the output's.")
@@ -82,16 +154,19 @@ class AppConfig(StrictModel):
     target_resources: ActorResources = Field(default_factory=ActorResources, description="Bundle of the target actor.")
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig, description=(
         "Serve autoscaling of the coordinator on ongoing requests."))
-    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description=(
+        "Per-request limits, concurrency, the waiting queue and the request timeout."))
+    auth: AuthConfig = Field(default_factory=AuthConfig, description=(
+        "Optional API keys required on every HTTP route but /health and on every gRPC method."))
     chat_template: str | None = Field(None, description=(
         "Jinja chat template for a model whose tokenizer has none (a base model), so chat requests still work; "
         "a model's own template always wins."))
 
     @model_validator(mode="after")
     def _sessions_for_every_request(self) -> "AppConfig":
-        # each ongoing request of a replica holds one session in each of the replica's actors
-        if self.autoscaling.max_ongoing_requests > self.pipeline.max_sessions:
-            raise ValueError(f"autoscaling.max_ongoing_requests ({self.autoscaling.max_ongoing_requests}) must not "
+        # each running request of a replica holds one session in each of the replica's actors
+        if self.limits.max_running_requests > self.pipeline.max_sessions:
+            raise ValueError(f"limits.max_running_requests ({self.limits.max_running_requests}) must not "
                              f"exceed pipeline.max_sessions ({self.pipeline.max_sessions})")
         return self
 

@@ -2,7 +2,8 @@
 
 Protocol-free: the OpenAI routes (``openai_api``) and the gRPC methods (``grpc_service``) turn their
 requests into a ``GenerationRequest`` and consume the ``StreamEvent``s this yields. Errors a client can
-fix are ``InvalidRequest`` naming the field; a full actor is ``Overloaded``.
+fix are ``InvalidRequest`` naming the field; a full server (running and waiting requests, or an actor's
+sessions) is ``Overloaded``; a request past ``limits.request_timeout_s`` is stopped with ``RequestTimeout``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
 
@@ -23,6 +25,8 @@ from hetspec.config import Algorithm as AlgorithmName
 from hetspec.engine import DraftLength, OutputText, StreamEvent
 from hetspec.models import LanguageModel
 
+from deployments.admission import Admission, Overloaded, RequestTimeout, Ticket
+from deployments.auth import ApiKeys
 from deployments.config import AppConfig
 from deployments.metrics import coordinator_metrics
 from deployments.pipeline import DecodeLoop, PipelineStats, Step, Worker, WorkerLost
@@ -42,10 +46,6 @@ class InvalidRequest(ValueError):
 
     def __reduce__(self):  # it crosses process boundaries (replica -> gRPC proxy) pickled
         return InvalidRequest, (self.field, self.message)
-
-
-class Overloaded(RuntimeError):
-    """A worker holds max_sessions KV caches already; the client may retry."""
 
 
 class ChatMessage(StrictModel):
@@ -74,6 +74,7 @@ class Prepared:
     target_prompt_ids: list[int]
     drafter_prompt_ids: list[int] | None
     pipelined: bool
+    deadline: float | None = None  # time.monotonic() past which the request is stopped (limits.request_timeout_s)
 
 
 def validation_to_invalid(error: ValidationError, renames: dict[str, str] | None = None) -> InvalidRequest:
@@ -111,7 +112,11 @@ class Coordinator:
         self.drafter_model = _with_template(drafter_info, config.chat_template)
         self.maps = PairMaps(self.drafter_model, self.target_model)
         self.ongoing = 0
-        self.outcomes = {"finished": 0, "cancelled": 0, "failed": 0}  # requests of this replica, by how they ended
+        # requests of this replica, by how they ended
+        self.outcomes = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "timed_out": 0}
+        limits = config.limits
+        self.admission = Admission(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s)
+        self.api_keys = ApiKeys.from_config(config.auth)  # the environment of this replica's process
         self.replica = uuid.uuid4().hex[:8]
         self.metrics = coordinator_metrics()
 
@@ -137,8 +142,19 @@ class Coordinator:
                                  f"{limits.max_prompt_tokens}")
         drafter_prompt_ids = self._prompt_ids(request, self.drafter_model) if algorithm.needs_drafter else None
         pipelined = self.config.pipeline.pipelined if request.pipelined is None else request.pipelined
+        timeout_s = limits.request_timeout_s
         return Prepared(request_id or uuid.uuid4().hex, algorithm, speculation, request.params,
-                        target_prompt_ids, drafter_prompt_ids, pipelined)
+                        target_prompt_ids, drafter_prompt_ids, pipelined,
+                        None if timeout_s is None else time.monotonic() + timeout_s)
+
+    def admit(self, protocol: str) -> Ticket:
+        """A running slot or a place in line for a request, or ``Overloaded`` (counted) when there is neither."""
+        try:
+            return self.admission.admit()
+        except Overloaded:
+            self.outcomes["rejected"] += 1
+            self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": "Overloaded"})
+            raise
 
     def _prompt_ids(self, request: GenerationRequest, model: LanguageModel) -> list[int]:
         if (request.prompt is None) == (request.messages is None):
@@ -152,8 +168,28 @@ class Coordinator:
         except ValueError as error:
             raise InvalidRequest("messages" if request.messages is not None else "prompt", str(error)) from None
 
-    async def run(self, prepared: Prepared, protocol: str) -> AsyncIterator[StreamEvent]:
-        """The request's stream events; its KV sessions are freed however it ends (cancellation included)."""
+    async def run(self, prepared: Prepared, protocol: str, ticket: Ticket | None = None) -> AsyncIterator[StreamEvent]:
+        """The request's stream events; its KV sessions are freed however it ends (cancellation included).
+
+        ``ticket``: the request's admission if the caller took it already (an HTTP stream decides its status
+        before the body starts); else it is taken here, and ``Overloaded`` raised when the server is full.
+        """
+        ticket = ticket or self.admit(protocol)
+        closing: list = []  # the request's session closes, filled in by _run_admitted
+        try:
+            try:
+                await ticket.wait(prepared.deadline)
+            except RequestTimeout:  # timed out in line, before anything was opened
+                self.outcomes["timed_out"] += 1
+                self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": "RequestTimeout"})
+                raise
+            async with aclosing(self._run_admitted(prepared, protocol, closing)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            ticket.release_after(closing)
+
+    async def _run_admitted(self, prepared: Prepared, protocol: str, closing: list) -> AsyncIterator[StreamEvent]:
         request_id, algorithm = prepared.request_id, prepared.algorithm
         workers: list[Worker] = []  # the actors holding this request's sessions
         started = time.perf_counter()
@@ -174,7 +210,7 @@ class Coordinator:
                               PipelineStats(algorithm=algorithm.name, prompt_tokens=len(prepared.target_prompt_ids)),
                               list(prepared.target_prompt_ids), target, drafter, prepared.pipelined,
                               on_step=lambda step: self._record_step(algorithm.name, step))
-            async for event in loop.run():
+            async for event in _until(prepared.deadline, loop.run()):
                 if first_text and event.text:
                     first_text = False
                     self.metrics.time_to_first_token.observe(time.perf_counter() - started,
@@ -193,6 +229,11 @@ class Coordinator:
                 log.info("request cancelled request_id=%s", request_id)
                 self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": "cancelled"})
             raise
+        except RequestTimeout:
+            self.outcomes["timed_out"] += 1
+            log.info("request timed out request_id=%s", request_id)
+            self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": "RequestTimeout"})
+            raise
         except Exception as error:
             self.outcomes["failed"] += 1
             log.warning("request failed request_id=%s error=%s", request_id, type(error).__name__)
@@ -200,8 +241,7 @@ class Coordinator:
             raise
         finally:
             self._track(-1)
-            for worker in workers:
-                worker.call_detached("close", request_id)
+            closing.extend(worker.call_detached("close", request_id) for worker in workers)
 
     async def _open(self, prepared: Prepared, target: Worker, drafter: Worker | None) -> None:
         args = (prepared.algorithm.name, prepared.speculation, prepared.params)
@@ -211,7 +251,7 @@ class Coordinator:
         try:
             await asyncio.gather(*opening)
         except SessionLimitReached as error:
-            raise Overloaded(str(error)) from None
+            raise Overloaded(str(error), self.config.limits.retry_after_s) from None
 
     async def stats(self) -> dict:
         async def actor_stats(worker: Worker) -> dict:
@@ -222,6 +262,7 @@ class Coordinator:
 
         target, drafter = await asyncio.gather(actor_stats(self.target), actor_stats(self.drafter))
         return {"replica": self.replica, "ongoing_requests": self.ongoing,
+                "running_slots": self.admission.running, "waiting_requests": self.admission.waiting,
                 **{f"{outcome}_requests": count for outcome, count in self.outcomes.items()},
                 "target": target, "drafter": drafter}
 
@@ -255,3 +296,20 @@ class Coordinator:
         if stats.generated_tokens:
             self.metrics.generated_tokens.inc(stats.generated_tokens, tags=tags)
         self.metrics.prompt_tokens.inc(stats.prompt_tokens, tags=tags)
+
+
+async def _until(deadline: float | None, events: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
+    """``events`` until ``deadline`` (``time.monotonic()``): past it the step in progress is cancelled and
+    ``RequestTimeout`` raised, so a slow or stuck step cannot hold the request's sessions beyond its time."""
+    async with aclosing(events):
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            try:
+                async with asyncio.timeout(None if remaining is None else max(0.0, remaining)):
+                    event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise RequestTimeout("the request ran past this server's time limit "
+                                     "(limits.request_timeout_s); it was stopped") from None
+            yield event

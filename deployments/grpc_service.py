@@ -2,11 +2,18 @@
 
 A mixin of the ingress deployment: Serve calls ``Generate`` / ``GenerateStream`` by name with the
 request message and a ``grpc_context`` on which a client error sets INVALID_ARGUMENT (field named in the
-details) before it is raised, and the proxy answers with that status.
+details) before it is raised, and the proxy answers with that status. Likewise a missing or wrong API key
+is UNAUTHENTICATED, a full server RESOURCE_EXHAUSTED (details end with "retry after N s"), a request past
+``limits.request_timeout_s`` DEADLINE_EXCEEDED. Serve's proxy carries only the code and the details of a
+failed call back to the client (not trailing metadata), so the retry hint is in the details.
+
+A client's own deadline is honoured by gRPC itself: when it passes, the proxy's call is cancelled, Serve
+cancels the replica's request, and the coordinator frees its sessions (the cancellation path).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import aclosing
 from typing import AsyncIterator
 
@@ -15,8 +22,9 @@ from pydantic import ValidationError
 
 from hetspec.engine import StreamEvent
 
+from deployments.auth import Unauthenticated, grpc_api_key
 from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
-                                     serve_request_id, validation_to_invalid)
+                                     RequestTimeout, serve_request_id, validation_to_invalid)
 from deployments.pipeline import WorkerLost
 from protos.hetspec.v1 import hetspec_pb2 as pb
 
@@ -54,6 +62,13 @@ class GrpcMethods:
     coordinator: Coordinator
 
     def _prepare(self, request: pb.GenerateRequest, grpc_context) -> Prepared:
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else []
+        try:  # first: an unauthenticated client learns nothing about its request
+            self.coordinator.api_keys.check(grpc_api_key(metadata),
+                                            "metadata 'authorization: Bearer <key>' (or 'x-api-key: <key>')")
+        except Unauthenticated as error:
+            _fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, str(error))
+            raise
         try:
             generation = to_generation(request, self.coordinator.config.limits.default_max_new_tokens)
             return self.coordinator.prepare(generation, serve_request_id())
@@ -70,7 +85,10 @@ class GrpcMethods:
                 async for event in events:
                     yield event
         except Overloaded as error:
-            _fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            _fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, _with_retry_hint(str(error), error.retry_after_s))
+            raise
+        except RequestTimeout as error:
+            _fail(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
             raise
         except WorkerLost as error:
             _fail(grpc_context, grpc.StatusCode.UNAVAILABLE, str(error))
@@ -102,6 +120,10 @@ class GrpcMethods:
                     response.usage.CopyFrom(_usage(event))
                     response.stats.CopyFrom(_stats(event))
                 yield response
+
+
+def _with_retry_hint(message: str, retry_after_s: float) -> str:
+    return f"{message}; retry after {math.ceil(retry_after_s)} s"
 
 
 def _fail(grpc_context, code: grpc.StatusCode, details: str) -> None:

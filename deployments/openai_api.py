@@ -16,8 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from deployments.coordinator import (Coordinator, InvalidRequest, Overloaded, Prepared, serve_request_id,
-                                     validation_to_invalid)
+from deployments.admission import Ticket
+from deployments.auth import OPEN_HTTP_PATHS, Unauthenticated, bearer_token
+from deployments.coordinator import (Coordinator, InvalidRequest, Overloaded, Prepared, RequestTimeout,
+                                     serve_request_id, validation_to_invalid)
 from deployments.openai_protocol import (FIELD_NAMES, ChatCompletionRequest, CompletionRequest, ResponseWriter,
                                          error_body, request_error, sse)
 from deployments.pipeline import WorkerLost
@@ -33,6 +35,58 @@ def current_coordinator() -> Coordinator:
 
 def _invalid(error: InvalidRequest) -> JSONResponse:
     return JSONResponse(request_error(error), status_code=400)
+
+
+def _busy_body(error: Overloaded) -> dict:
+    return error_body(str(error), None, "rate_limit_exceeded", "server_busy")
+
+
+def _busy(error: Overloaded, retry_after: str) -> JSONResponse:
+    return JSONResponse(_busy_body(error), status_code=429, headers={"Retry-After": retry_after})
+
+
+def _timeout_body(error: RequestTimeout) -> dict:
+    return error_body(str(error), None, "timeout_error", "request_timeout")
+
+
+class RequireApiKey:
+    """ASGI middleware: with API keys configured, every route but /health needs ``Authorization: Bearer <key>``
+    (the official ``openai`` client sends its ``api_key`` so); otherwise 401 the way OpenAI answers one."""
+
+    def __init__(self, app, get_coordinator: Callable[[], Coordinator]):
+        self.app = app
+        self.get_coordinator = get_coordinator
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):  # served under a route prefix
+                path = path[len(root):] or "/"
+            if path not in OPEN_HTTP_PATHS:
+                headers = dict(scope["headers"])
+                presented = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+                try:
+                    self.get_coordinator().api_keys.check(presented, "the header 'Authorization: Bearer <key>'")
+                except Unauthenticated as error:
+                    response = JSONResponse(error_body(str(error), None, "invalid_request_error", "invalid_api_key"),
+                                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                    return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A stream that gives its admission back even if the body never starts (client gone before it)."""
+
+    def __init__(self, content, ticket: Ticket, **options):
+        super().__init__(content, **options)
+        self.ticket = ticket
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # no-op if it ran to the end; else frees what it holds
+            self.ticket.release()  # no-op if the stream ran (the coordinator released it)
 
 
 async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -63,9 +117,14 @@ async def _respond(coordinator: Coordinator, body: CompletionRequest | ChatCompl
     except InvalidRequest as error:
         return _invalid(error)
     writer = ResponseWriter(chat, coordinator.config.model_id, prepared.request_id)
+    retry_after = coordinator.config.limits.retry_after_header
     if body.stream:
-        return StreamingResponse(_stream(coordinator, prepared, writer, body.include_usage),
-                                 media_type="text/event-stream")
+        try:  # admitted (or told to come back) before the 200 and the first event are sent
+            ticket = coordinator.admit("http")
+        except Overloaded as error:
+            return _busy(error, retry_after)
+        return _ClosingStreamingResponse(_stream(coordinator, prepared, writer, body.include_usage, ticket),
+                                         ticket, media_type="text/event-stream")
     pieces: list[str] = []
     token_ids: list[int] = []
     try:
@@ -76,23 +135,27 @@ async def _respond(coordinator: Coordinator, body: CompletionRequest | ChatCompl
                 if event.finish_reason:
                     return writer.whole("".join(pieces), token_ids, event)
     except Overloaded as error:
-        return JSONResponse(error_body(str(error), None, "server_busy", "overloaded"), status_code=503)
+        return _busy(error, retry_after)
+    except RequestTimeout as error:
+        return JSONResponse(_timeout_body(error), status_code=408)
     except WorkerLost as error:
         return JSONResponse(error_body(str(error), None, "server_unavailable", "worker_lost"), status_code=503)
     raise AssertionError("the decode loop ended without a finish reason")
 
 
 async def _stream(coordinator: Coordinator, prepared: Prepared, writer: ResponseWriter,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, ticket: Ticket) -> AsyncIterator[str]:
     try:
-        async with aclosing(coordinator.run(prepared, "http")) as events:
+        async with aclosing(coordinator.run(prepared, "http", ticket)) as events:
             async for event in events:
                 yield sse(writer.chunk(event))
                 if event.finish_reason and include_usage:
                     yield sse(writer.usage_chunk(event))
     except Overloaded as error:
         # headers are sent already: the error travels as an event, the way OpenAI's streams report one
-        yield sse(error_body(str(error), None, "server_busy", "overloaded"))
+        yield sse(_busy_body(error))
+    except RequestTimeout as error:
+        yield sse(_timeout_body(error))
     except WorkerLost as error:
         yield sse(error_body(str(error), None, "server_unavailable", "worker_lost"))
     except Exception as error:  # noqa: BLE001 -- report, don't leave the client waiting on a cut stream
@@ -104,6 +167,7 @@ async def _stream(coordinator: Coordinator, prepared: Prepared, writer: Response
 def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordinator) -> FastAPI:
     app = FastAPI(title="hetspec", description="Lossless heterogeneous speculative decoding, OpenAI-compatible.")
     app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_middleware(RequireApiKey, get_coordinator=get_coordinator)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, coordinator: Coordinator = Depends(get_coordinator)):

@@ -40,8 +40,11 @@ class Worker(Protocol):
 
     def call(self, method: str, *args) -> Awaitable: ...
 
-    def call_detached(self, method: str, *args) -> None:
-        """A call that must happen even if the calling request is being cancelled (closing its sessions)."""
+    def call_detached(self, method: str, *args) -> Awaitable:
+        """A call that must happen even if the calling request is being cancelled (closing its sessions).
+
+        Already running when this returns; awaiting the result is optional (the admission waits for closes
+        before it hands the request's slot on, so the actors never hold more sessions than running requests)."""
 
     def pinned(self) -> "Worker":
         """This worker as it is now, for one request: it keeps calling the process that holds its sessions."""
@@ -202,8 +205,8 @@ class LocalWorker:
         # run_in_executor starts the call now, like an actor call, even if nobody awaits it (a close)
         return asyncio.get_running_loop().run_in_executor(None, functools.partial(getattr(self.worker, method), *args))
 
-    def call_detached(self, method: str, *args) -> None:
-        self.call(method, *args)
+    def call_detached(self, method: str, *args) -> Awaitable:
+        return self.call(method, *args)
 
     def pinned(self) -> "LocalWorker":
         return self
@@ -255,10 +258,10 @@ class ActorWorker:
                 self.on_lost(self.role)
             raise WorkerLost(self.role) from error
 
-    def call_detached(self, method: str, *args) -> None:
+    def call_detached(self, method: str, *args) -> Awaitable:
         # Ray cancels every call a cancelled task made, recursively, even one made while it unwinds; a call
         # made from an empty context belongs to no task (what Serve's own long-poll client does).
-        contextvars.Context().run(getattr(self.handle, method).remote, *args)
+        return contextvars.Context().run(getattr(self.handle, method).remote, *args)
 
 
 def _retrieve(task: asyncio.Future) -> None:

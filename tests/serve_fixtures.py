@@ -1,7 +1,7 @@
 """A Serve deployment of hetspec for the tests: the small pair (float32) on a simulated three-node cluster.
 
-Imported by tests/test_serve.py (``from serve_fixtures import ...``). One app serves every test of the
-module so the two models load once: the coordinator, drafter and target bundles are STRICT_SPREAD over
+Imported by tests/test_serve.py and tests/test_limits_serve.py (``from serve_fixtures import ...``). One
+app serves every test of a module so the two models load once: the coordinator, drafter and target bundles are STRICT_SPREAD over
 three nodes (custom resources name them), which is also what the placement test checks.
 
 Ray 2.60 turns token authentication on for a new local cluster and writes a token to ~/.ray/auth_token;
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,9 +68,9 @@ def _wait_for_http(url: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def served_app():
-    """serve.run of build_app(config.small.yaml args) on three simulated nodes; shut down afterwards."""
+@contextmanager
+def serve_app(args: dict):
+    """serve.run of build_app(args) on three simulated nodes (STRICT_SPREAD fits them); shut down afterwards."""
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -77,10 +78,11 @@ def served_app():
 
     from deployments.app import build_app
 
-    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH")}
+    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH", "HETSPEC_API_KEY")}
     os.environ["RAY_AUTH_MODE"] = "disabled"
     # Serve's gRPC proxy imports the stubs outside any runtime_env: the repo must be on every process's path.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved["PYTHONPATH"]]))
+    os.environ.pop("HETSPEC_API_KEY", None)  # a key in the developer's shell must not turn on the app's auth
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": NODE_RESOURCES[0]})
     for resources in NODE_RESOURCES[1:]:
         cluster.add_node(num_cpus=1, resources=resources)
@@ -89,8 +91,6 @@ def served_app():
         http_port, grpc_port = free_port(), free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=grpc_servicer_functions()))
-        args = small_app_args(pipeline={"placement_strategy": "STRICT_SPREAD"},
-                              limits={"default_max_new_tokens": NEW_TOKENS})
         serve.run(build_app(args), name="hetspec", route_prefix="/", blocking=False)
         _wait_for_http(f"http://127.0.0.1:{http_port}", timeout_s=300)
         yield ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", args, args["model_id"])
@@ -105,3 +105,12 @@ def served_app():
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def served_app():
+    """The small pair with config.small.yaml's settings (no API key), short answers by default."""
+    args = small_app_args(pipeline={"placement_strategy": "STRICT_SPREAD"},
+                          limits={"default_max_new_tokens": NEW_TOKENS})
+    with serve_app(args) as app:
+        yield app

@@ -71,7 +71,7 @@ def test_every_app_config_field_is_described():
     from deployments import config as config_module
 
     for model in (config_module.AppConfig, config_module.PipelineConfig, config_module.ActorResources,
-                  config_module.AutoscalingConfig, config_module.LimitsConfig):
+                  config_module.AutoscalingConfig, config_module.LimitsConfig, config_module.AuthConfig):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
 
@@ -238,7 +238,7 @@ def test_grafana_dashboard_charts_every_metric_and_only_those():
     assert charted == defined
 
 
-def test_app_config_rejects_more_ongoing_requests_than_sessions():
-    with pytest.raises(ValidationError, match="max_ongoing_requests"):
+def test_app_config_rejects_more_running_requests_than_sessions():
+    with pytest.raises(ValidationError, match="max_running_requests"):
         AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"max_sessions": 4},
-                                  "autoscaling": {"max_ongoing_requests": 8}})
+                                  "limits": {"max_running_requests": 8}})

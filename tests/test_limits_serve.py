@@ -1,0 +1,225 @@
+"""API key, admission limits and deadlines on the real Serve app (small pair, three simulated nodes).
+
+One app for the module, configured tight so every limit is reached deterministically: an API key, one
+running request per pipeline, one waiting place, a 10 s request timeout. A "long" request counts upwards
+(the greedy continuation of a number sequence never ends) with a max_new_tokens far beyond what the small
+pair generates in 10 s on any machine, so it holds its slot until it is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from protos.hetspec.v1 import hetspec_pb2 as pb
+from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
+from serve_fixtures import serve_app, small_app_args
+
+pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
+
+API_KEY = "sk-test-0123456789"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
+REQUEST_TIMEOUT_S = 10
+RETRY_AFTER_S = 2
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+LONG_TOKENS = 2048  # the small pair needs minutes for these: every long request is stopped by a limit
+
+
+@pytest.fixture(scope="module")
+def limited_app():
+    args = small_app_args(
+        pipeline={"placement_strategy": "STRICT_SPREAD"},
+        auth={"api_keys": [API_KEY], "api_key_env": None},
+        limits={"max_running_requests": 1, "max_waiting_requests": 1, "retry_after_s": RETRY_AFTER_S,
+                "request_timeout_s": REQUEST_TIMEOUT_S, "max_new_tokens": LONG_TOKENS,
+                "default_max_new_tokens": 4})
+    with serve_app(args) as app:
+        yield app
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(limited_app):
+    with grpc.insecure_channel(limited_app.grpc_target) as channel:
+        yield pb_grpc.HetSpecStub(channel)
+
+
+def _stats(app) -> dict:
+    response = httpx.get(f"{app.http_url}/v1/stats", headers=AUTH, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _wait_for(app, condition, what: str, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = _stats(app)
+        if condition(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s: {stats}")
+        time.sleep(0.1)
+
+
+def _idle(stats: dict) -> bool:
+    return (stats["target"]["active_sessions"] == stats["drafter"]["active_sessions"] == 0
+            and stats["ongoing_requests"] == stats["running_slots"] == stats["waiting_requests"] == 0)
+
+
+def _long_body(app, stream: bool) -> dict:
+    return {"model": app.model_id, "prompt": COUNTING, "max_tokens": LONG_TOKENS, "temperature": 0,
+            "stream": stream, "hetspec": {"ignore_eos": True}}
+
+
+def _events(lines) -> list[dict | str]:
+    return [line[len("data: "):] if line == "data: [DONE]" else json.loads(line[len("data: "):])
+            for line in lines if line.startswith("data: ")]
+
+
+def test_http_needs_the_key_on_every_route_but_health(limited_app):
+    url = limited_app.http_url
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    body = {"model": limited_app.model_id, "prompt": "Hello", "max_tokens": 2}
+    for method, path, headers in [("GET", "/v1/models", {}), ("GET", "/v1/stats", {}),
+                                  ("POST", "/v1/completions", {}),
+                                  ("POST", "/v1/completions", {"Authorization": "Bearer sk-wrong"}),
+                                  ("POST", "/v1/completions", {"Authorization": API_KEY})]:  # no scheme
+        response = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=30)
+        assert response.status_code == 401, (path, headers, response.text)
+        assert response.headers["www-authenticate"] == "Bearer"
+        error = response.json()["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert "sk-" not in error["message"]
+
+
+def test_openai_client_with_the_key(limited_app):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{limited_app.http_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    assert [model.id for model in client.models.list().data] == [limited_app.model_id]
+    completion = client.completions.create(model=limited_app.model_id, prompt="Hello", max_tokens=2, temperature=0)
+    assert completion.usage.completion_tokens == 2
+    wrong = openai.OpenAI(base_url=f"{limited_app.http_url}/v1", api_key="sk-wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+@pytest.mark.parametrize("metadata,accepted", [
+    ((), False), ((("authorization", "Bearer sk-wrong"),), False), ((("x-api-key", "sk-wrong"),), False),
+    (GRPC_AUTH, True), ((("x-api-key", API_KEY),), True)],
+    ids=["none", "wrong-bearer", "wrong-x-api-key", "bearer", "x-api-key"])
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_grpc_needs_the_key(grpc_stub, method, metadata, accepted):
+    request = pb.GenerateRequest(prompt="Hello", max_new_tokens=2, temperature=0)
+    call = getattr(grpc_stub, method)
+    if accepted:
+        result = call(request, metadata=metadata, timeout=60)
+        messages = list(result) if method == "GenerateStream" else [result]
+        assert messages[-1].usage.completion_tokens == 2
+        return
+    with pytest.raises(grpc.RpcError) as raised:
+        result = call(request, metadata=metadata, timeout=60)
+        list(result) if method == "GenerateStream" else result
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "API key" in raised.value.details() and "sk-" not in raised.value.details()
+
+
+def test_full_server_answers_429_and_resource_exhausted(limited_app, grpc_stub):
+    """One request runs, one waits, the rest are turned away; the runner is stopped by the request timeout."""
+    import openai
+
+    url, before = limited_app.http_url, _wait_for(limited_app, _idle, "idle")
+    with httpx.Client(timeout=60) as client, \
+            client.stream("POST", f"{url}/v1/completions", json=_long_body(limited_app, True),
+                          headers=AUTH) as runner:
+        assert runner.status_code == 200
+        lines = runner.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # decoding: it holds the slot
+        assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+
+        # a gRPC request waits in line; its client deadline passes while it waits
+        waiter_error: list[grpc.RpcError] = []
+
+        def wait_in_line():
+            try:
+                grpc_stub.Generate(pb.GenerateRequest(prompt="Hi", max_new_tokens=2), metadata=GRPC_AUTH, timeout=4)
+            except grpc.RpcError as error:
+                waiter_error.append(error)
+
+        waiter = threading.Thread(target=wait_in_line)
+        waiter.start()
+        during = _wait_for(limited_app, lambda stats: stats["waiting_requests"] == 1, "waiting")
+        assert during["running_slots"] == 1 and during["target"]["active_sessions"] == 1
+
+        small = {"model": limited_app.model_id, "prompt": "Hi", "max_tokens": 2}
+        for stream in (False, True):
+            busy = httpx.post(f"{url}/v1/completions", json={**small, "stream": stream}, headers=AUTH, timeout=30)
+            assert busy.status_code == 429, busy.text
+            assert busy.headers["retry-after"] == str(RETRY_AFTER_S)
+            error = busy.json()["error"]
+            assert error["type"] == "rate_limit_exceeded" and "max_waiting_requests" in error["message"]
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=30).chat.completions.create(
+                model=limited_app.model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        with pytest.raises(grpc.RpcError) as raised:
+            grpc_stub.Generate(pb.GenerateRequest(prompt="Hi", max_new_tokens=2), metadata=GRPC_AUTH, timeout=30)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert raised.value.details().endswith(f"retry after {RETRY_AFTER_S} s")
+
+        waiter.join(timeout=30)
+        assert waiter_error and waiter_error[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _wait_for(limited_app, lambda stats: stats["waiting_requests"] == 0, "out of line")  # it left the line
+
+        # the runner is stopped at the request timeout: an error event, then [DONE]; never a clean finish
+        events = _events(lines)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "timeout_error", events[-2]
+    assert all(event["choices"][0]["finish_reason"] is None for event in events[:-2])
+    after = _wait_for(limited_app, _idle, "idle")
+    assert after["rejected_requests"] == before["rejected_requests"] + 4
+    assert after["timed_out_requests"] == before["timed_out_requests"] + 1
+
+
+def test_grpc_deadline_frees_the_sessions(limited_app, grpc_stub):
+    before = _wait_for(limited_app, _idle, "idle")
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as raised:
+        grpc_stub.Generate(pb.GenerateRequest(prompt=COUNTING, max_new_tokens=LONG_TOKENS, temperature=0),
+                           metadata=GRPC_AUTH, timeout=3)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < REQUEST_TIMEOUT_S  # the client's deadline, not the server's limit
+    after = _wait_for(limited_app, _idle, "idle", timeout_s=10)
+    assert after["cancelled_requests"] == before["cancelled_requests"] + 1
+
+
+def test_request_timeout_http_408_and_grpc_deadline_exceeded(limited_app, grpc_stub):
+    """A runner past limits.request_timeout_s gets 408; a request waiting behind it all that time, too."""
+    before = _wait_for(limited_app, _idle, "idle")
+    outcome: dict = {}
+
+    def run_http():
+        outcome["http"] = httpx.post(f"{limited_app.http_url}/v1/completions", json=_long_body(limited_app, False),
+                                     headers=AUTH, timeout=60)
+
+    runner = threading.Thread(target=run_http)
+    runner.start()
+    _wait_for(limited_app, lambda stats: stats["running_slots"] == 1, "running")
+    started = time.monotonic()
+    # long too: should it get the slot in the moment before its own deadline, it still cannot finish in time
+    waiter = pb.GenerateRequest(prompt=COUNTING, max_new_tokens=LONG_TOKENS, temperature=0)
+    with pytest.raises(grpc.RpcError) as raised:  # no client deadline short enough: the server's limit stops it
+        list(grpc_stub.GenerateStream(waiter, metadata=GRPC_AUTH, timeout=60))
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "limits.request_timeout_s" in raised.value.details()
+    assert time.monotonic() - started < REQUEST_TIMEOUT_S + 5
+    runner.join(timeout=60)
+    response = outcome["http"]
+    assert response.status_code == 408, response.text
+    assert response.json()["error"]["code"] == "request_timeout"
+    after = _wait_for(limited_app, _idle, "idle")
+    assert after["timed_out_requests"] == before["timed_out_requests"] + 2

@@ -1,0 +1,195 @@
+"""Admission control, API keys and their config, without Ray: the parts tests/test_limits_serve.py runs for real."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from deployments.admission import Admission, Overloaded, RequestTimeout
+from deployments.app import CONTROL_SLOTS, deployment_options
+from deployments.auth import ApiKeys, Unauthenticated, bearer_token, grpc_api_key
+from deployments.config import AppConfig, AuthConfig
+from deployments.openai_api import RequireApiKey
+
+SMALL_PAIR = {"target": {"model": "gemma3-270m"}, "drafter": {"model": "smollm2-135m"}}
+
+
+class TestAdmission:
+    def test_runs_then_queues_then_rejects_with_the_retry_hint(self):
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=1, retry_after_s=3)
+            first = admission.admit()
+            second = admission.admit()  # in line
+            with pytest.raises(Overloaded, match="max_running_requests") as raised:
+                admission.admit()
+            assert raised.value.retry_after_s == 3 and admission.rejected == 1
+            await first.wait()
+            assert (admission.running, admission.waiting, second.holds_slot) == (1, 1, False)
+            first.release()
+            await second.wait()  # the freed slot went to the first in line
+            assert (admission.running, admission.waiting, second.holds_slot) == (1, 0, True)
+            second.release()
+            second.release()  # idempotent
+            assert admission.running == 0
+
+        asyncio.run(scenario())
+
+    def test_first_come_first_served(self):
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=3, retry_after_s=1)
+            holder = admission.admit()
+            order = []
+
+            async def request(name):
+                ticket = admission.admit()
+                await ticket.wait()
+                order.append(name)
+                await asyncio.sleep(0)
+                ticket.release()
+
+            tasks = [asyncio.create_task(request(name)) for name in "abc"]
+            await asyncio.sleep(0)
+            holder.release()
+            await asyncio.gather(*tasks)
+            assert order == ["a", "b", "c"] and admission.running == 0
+
+        asyncio.run(scenario())
+
+    def test_waiting_past_the_deadline_times_out_and_leaves_the_line(self):
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=1, retry_after_s=1)
+            holder = admission.admit()
+            waiter = admission.admit()
+            with pytest.raises(RequestTimeout):
+                await waiter.wait(deadline=time.monotonic() + 0.05)
+            assert (admission.running, admission.waiting) == (1, 0)
+            admission.admit().release()  # the place in line is free again
+            holder.release()
+            assert admission.running == 0
+
+        asyncio.run(scenario())
+
+    def test_cancelled_waiter_gives_back_a_slot_handed_to_it(self):
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=1, retry_after_s=1)
+            holder = admission.admit()
+            waiter = admission.admit()
+            task = asyncio.create_task(waiter.wait())
+            await asyncio.sleep(0)
+            holder.release()  # the slot is handed to the waiter ...
+            task.cancel()  # ... which is cancelled before it resumes
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert admission.running == 0 and admission.waiting == 0
+
+        asyncio.run(scenario())
+
+    def test_slot_is_handed_on_only_after_the_sessions_are_closed(self):
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=1, retry_after_s=1)
+            ticket = admission.admit()
+            closed = asyncio.get_running_loop().create_future()
+            ticket.release_after([closed])
+            await asyncio.sleep(0.01)
+            assert admission.running == 1  # the actors may still hold the sessions
+            closed.set_result(True)
+            await asyncio.sleep(0.01)
+            assert admission.running == 0
+
+        asyncio.run(scenario())
+
+    def test_zero_waiting_rejects_at_once(self):
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=0, retry_after_s=1)
+            admission.admit()
+            with pytest.raises(Overloaded):
+                admission.admit()
+
+        asyncio.run(scenario())
+
+
+class TestAuthConfig:
+    def test_keys_are_masked_in_every_dump_but_the_replicas(self):
+        config = AppConfig.model_validate({**SMALL_PAIR, "auth": {"api_keys": ["sk-one"], "api_key_env": None}})
+        assert "sk-one" not in repr(config) and "sk-one" not in config.model_dump_json()
+        assert config.model_dump(mode="json")["auth"]["api_keys"] == ["**********"]
+        revealed = config.model_dump(mode="json", context={"reveal_secrets": True})
+        assert AppConfig.model_validate(revealed).auth.resolve_keys({}) == ["sk-one"]
+
+    def test_environment_replaces_the_config_keys_when_set(self):
+        auth = AuthConfig(api_keys=["from-config"])
+        assert auth.resolve_keys({}) == ["from-config"]
+        assert auth.resolve_keys({"HETSPEC_API_KEY": ""}) == ["from-config"]  # empty counts as unset
+        assert auth.resolve_keys({"HETSPEC_API_KEY": "new, old "}) == ["new", "old"]  # rotation: both work
+        assert AuthConfig(api_key_env=None).resolve_keys({"HETSPEC_API_KEY": "x"}) == []
+
+    @pytest.mark.parametrize("key", ["", "has space", "a,b", "naïve"])
+    def test_keys_that_cannot_travel_in_a_header_are_rejected_without_echo(self, key):
+        with pytest.raises(ValidationError, match=r"api_keys\[0\]") as raised:
+            AuthConfig(api_keys=[key])
+        assert not key or key not in str(raised.value)
+
+    def test_limits_are_validated(self):
+        with pytest.raises(ValidationError, match="default_max_new_tokens"):
+            AppConfig.model_validate({**SMALL_PAIR, "limits": {"max_new_tokens": 8, "default_max_new_tokens": 16}})
+        with pytest.raises(ValidationError, match="max_running_requests"):
+            AppConfig.model_validate({**SMALL_PAIR, "limits": {"max_running_requests": 0}})
+        with pytest.raises(ValidationError, match="request_timeout_s"):
+            AppConfig.model_validate({**SMALL_PAIR, "limits": {"request_timeout_s": 0}})
+        with pytest.raises(ValidationError, match="retry_after_s"):
+            AppConfig.model_validate({**SMALL_PAIR, "limits": {"retry_after_s": float("nan")}})
+
+    def test_serve_options_leave_admission_to_the_replica(self):
+        config = AppConfig.model_validate({**SMALL_PAIR, "limits": {"max_running_requests": 4,
+                                                                    "max_waiting_requests": 6,
+                                                                    "retry_after_s": 2.5},
+                                           "autoscaling": {"max_queued_requests": 9}})
+        options = deployment_options(config)
+        assert options["max_ongoing_requests"] == 4 + 6 + CONTROL_SLOTS
+        assert options["max_queued_requests"] == 9
+        assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 2.5}
+        assert config.limits.retry_after_header == "3"
+
+
+class TestApiKeys:
+    def test_no_keys_lets_everyone_in(self):
+        ApiKeys([]).check(None, "a key")
+
+    def test_missing_wrong_and_right_keys(self):
+        keys = ApiKeys(["sk-a", "sk-b"])
+        with pytest.raises(Unauthenticated, match="missing API key: send the header"):
+            keys.check(None, "the header")
+        with pytest.raises(Unauthenticated, match="invalid API key") as raised:
+            keys.check("sk-c", "the header")
+        assert "sk-" not in str(raised.value) and "sk-" not in repr(keys)
+        keys.check("sk-b", "the header")
+
+    def test_where_keys_are_found(self):
+        assert bearer_token("Bearer sk-1") == bearer_token("bearer  sk-1 ") == "sk-1"
+        assert bearer_token("Basic c2s=") is None and bearer_token("Bearer ") is None and bearer_token(None) is None
+        assert grpc_api_key([("authorization", "Bearer sk-1")]) == "sk-1"
+        assert grpc_api_key([("x-api-key", "sk-2"), ("other", "x")]) == "sk-2"
+        assert grpc_api_key([("other", "x")]) is None
+
+
+def test_http_middleware_protects_every_route_but_health():
+    class Keyed:  # what the middleware asks of the coordinator
+        api_keys = ApiKeys(["sk-right"])
+
+    app = FastAPI()
+    app.add_middleware(RequireApiKey, get_coordinator=lambda: Keyed())
+    for path in ("/health", "/v1/models", "/openapi.json"):
+        app.get(path)(lambda: {"ok": True}) if path != "/openapi.json" else None
+    client = TestClient(app)
+    assert client.get("/health").status_code == 200
+    for path in ("/v1/models", "/openapi.json"):
+        missing = client.get(path)
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        assert client.get(path, headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer sk-right"}).status_code == 200
