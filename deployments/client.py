@@ -5,11 +5,14 @@
     python deployments/client.py http --url http://127.0.0.1:8000 --prompt "def add(a, b):" [--chat] [--stream]
 
 Prints the generated text and the speculation statistics; exits non-zero with a message on failure.
+A server with an API key needs ``--api-key KEY`` (default: $HETSPEC_API_KEY): sent as
+``Authorization: Bearer KEY`` over HTTP (the openai client's api_key) and as gRPC metadata.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,17 +65,18 @@ def grpc_call(args) -> int:
         request.draft_tokens = args.draft_tokens
     if args.pipelined is not None:
         request.pipelined = args.pipelined
+    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
     with grpc.insecure_channel(args.target) as channel:
         stub = pb_grpc.HetSpecStub(channel)
         try:
             if args.stream:
                 pieces, last = [], None
-                for message in stub.GenerateStream(request, timeout=args.timeout):
+                for message in stub.GenerateStream(request, timeout=args.timeout, metadata=metadata):
                     pieces.append(message.text)
                     last = message
                 text, response = "".join(pieces), last
             else:
-                response = stub.Generate(request, timeout=args.timeout)
+                response = stub.Generate(request, timeout=args.timeout, metadata=metadata)
                 text = response.text
         except grpc.RpcError as error:
             print(f"error: gRPC {error.code().name}: {error.details()}", file=sys.stderr)
@@ -86,7 +90,7 @@ def grpc_call(args) -> int:
 def http_call(args) -> int:
     import openai
 
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key="unused", max_retries=0, timeout=args.timeout)
+    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key or "unused", max_retries=0, timeout=args.timeout)
     model = client.models.list().data[0].id
     extension = {key: value for key, value in (("algorithm", args.algorithm), ("draft_tokens", args.draft_tokens),
                                                ("pipelined", args.pipelined)) if value is not None}
@@ -143,6 +147,8 @@ def main() -> int:
         command.add_argument("--pipelined", action=argparse.BooleanOptionalAction, default=None)
         command.add_argument("--stream", action="store_true")
         command.add_argument("--timeout", type=float, default=600)
+        command.add_argument("--api-key", default=os.environ.get("HETSPEC_API_KEY") or None,
+                             help="the server's API key (default: $HETSPEC_API_KEY; none: send no key)")
     args = parser.parse_args()
     return {"wait": wait, "grpc": grpc_call, "http": http_call}[args.command](args)
 
