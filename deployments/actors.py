@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
@@ -38,6 +39,26 @@ def _actor_options(resources: ActorResources, config: AppConfig, bundle_index: i
     return options
 
 
+class ModelLoadFailed(RuntimeError):
+    """A drafter or target actor could not load its model (bad path, corrupted file, out of memory...)."""
+
+    def __init__(self, role: str, model: str, reason: str):
+        super().__init__(f"the {role} model {model!r} failed to load: {reason}")
+        self.role, self.model, self.reason = role, model, reason
+
+    def __reduce__(self):  # Serve pickles a replica's constructor error
+        return ModelLoadFailed, (self.role, self.model, self.reason)
+
+
+def _reason(error: RayActorError) -> str:
+    """The exception an actor's constructor raised, from the last line of its traceback, else Ray's message."""
+    message = str(error)
+    for line in reversed(message.splitlines()):
+        if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b.*", line.strip()):
+            return line.strip()
+    return message
+
+
 class ActorPipeline:
     def __init__(self, config: AppConfig):
         self.config = config
@@ -56,12 +77,23 @@ class ActorPipeline:
         return ray.remote(worker_class).options(**options).remote(model, self.config.pipeline, **io)
 
     async def start(self) -> None:
-        """Both actors; returns once both models are loaded and the drafter knows the target's vocabulary."""
+        """Both actors; returns once both models are loaded and the drafter knows the target's vocabulary.
+
+        A model that fails to load raises ``ModelLoadFailed`` naming the model and the reason: the replica's
+        constructor fails with it, and Serve shows it in the deployment's status message (``serve status``)
+        and gives up after a few attempts (DEPLOY_FAILED) instead of restarting forever.
+        """
         self.target.handle, self.drafter.handle = self._new_actor("target"), self._new_actor("drafter")
         target_info = self.target.handle.info.remote()
-        attached = self.drafter.handle.attach_target.remote(target_info)  # the tokenizer goes by reference
-        self.target_info, self.drafter_info, _ = await asyncio.gather(
-            target_info, self.drafter.handle.info.remote(), attached)
+        drafter_info = self.drafter.handle.info.remote()
+        # the target's first: the drafter's attach_target fails too when the target's info never comes
+        for role, info in (("target", target_info), ("drafter", drafter_info)):
+            try:
+                setattr(self, f"{role}_info", await info)
+            except RayActorError as error:
+                model = self.config.target if role == "target" else self.config.drafter
+                raise ModelLoadFailed(role, model.model, _reason(error)) from None
+        await self.drafter.handle.attach_target.remote(target_info)  # the tokenizer goes by reference
 
     def replace_later(self, role: str) -> None:
         """Replace a dead actor in the background, once (calls meanwhile wait for the new actor)."""

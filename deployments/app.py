@@ -41,6 +41,10 @@ class HetSpecServer(GrpcMethods):
                                                self.pipeline.drafter.call("node_id"))
         return {"coordinator": ray.get_runtime_context().get_node_id(), "target": target, "drafter": drafter}
 
+    async def actor_handles(self) -> dict[str, Any]:
+        """This replica's drafter and target actor handles (fault tests kill them with ``ray.kill``)."""
+        return {"target": self.pipeline.target.handle, "drafter": self.pipeline.drafter.handle}
+
 
 # Replica slots beyond the generation requests' (running + waiting): /health, /v1/models and /v1/stats get in
 # while the replica is full, and a request past the limits reaches the replica to be told so (429 + Retry-After).

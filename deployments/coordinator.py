@@ -202,14 +202,18 @@ class Coordinator:
             # pinned: if an actor is replaced meanwhile, this request fails (WorkerLost) instead of calling
             # a new actor that never saw its session
             target = self.target.pinned()
-            drafter = self.drafter.pinned() if algorithm.needs_drafter else None
+            drafter = self._pinned_drafter() if algorithm.needs_drafter else None
             workers = [target] + ([drafter] if drafter else [])
-            await self._open(prepared, target, drafter)
+            drafter = await self._open(prepared, target, drafter)
+            stats = PipelineStats(algorithm=algorithm.name, prompt_tokens=len(prepared.target_prompt_ids),
+                                  drafter_lost=algorithm.needs_drafter and drafter is None)
+            if stats.drafter_lost:
+                self._drafter_lost(request_id)
             loop = DecodeLoop(request_id, algorithm, prepared.params, OutputText(self.target_model, prepared.params),
-                              DraftLength(prepared.speculation),
-                              PipelineStats(algorithm=algorithm.name, prompt_tokens=len(prepared.target_prompt_ids)),
+                              DraftLength(prepared.speculation), stats,
                               list(prepared.target_prompt_ids), target, drafter, prepared.pipelined,
-                              on_step=lambda step: self._record_step(algorithm.name, step))
+                              on_step=lambda step: self._record_step(algorithm.name, step),
+                              on_drafter_lost=lambda: self._drafter_lost(request_id))
             async for event in _until(prepared.deadline, loop.run()):
                 if first_text and event.text:
                     first_text = False
@@ -243,15 +247,35 @@ class Coordinator:
             self._track(-1)
             closing.extend(worker.call_detached("close", request_id) for worker in workers)
 
-    async def _open(self, prepared: Prepared, target: Worker, drafter: Worker | None) -> None:
+    def _pinned_drafter(self) -> Worker | None:
+        """The drafter for a new request, or None while it is being replaced (the request runs target-only)."""
+        try:
+            return self.drafter.pinned()
+        except WorkerLost:
+            return None
+
+    async def _open(self, prepared: Prepared, target: Worker, drafter: Worker | None) -> Worker | None:
+        """Open the request's sessions; the drafter to use (None: lost while opening, decode target-only)."""
         args = (prepared.algorithm.name, prepared.speculation, prepared.params)
         opening = [target.call("open", prepared.request_id, prepared.target_prompt_ids, *args)]
         if drafter is not None:
             opening.append(drafter.call("open", prepared.request_id, prepared.drafter_prompt_ids, *args))
-        try:
-            await asyncio.gather(*opening)
-        except SessionLimitReached as error:
-            raise Overloaded(str(error), self.config.limits.retry_after_s) from None
+        # both settle before any error is raised, so no session is opened behind a failure's back
+        target_error, drafter_error = [*await asyncio.gather(*opening, return_exceptions=True), None][:2]
+        for error in (target_error, drafter_error):
+            if isinstance(error, SessionLimitReached):
+                raise Overloaded(str(error), self.config.limits.retry_after_s) from None
+        if isinstance(target_error, BaseException):
+            raise target_error
+        if isinstance(drafter_error, WorkerLost):
+            return None
+        if isinstance(drafter_error, BaseException):
+            raise drafter_error
+        return drafter
+
+    def _drafter_lost(self, request_id: str) -> None:
+        log.warning("drafter lost request_id=%s: decoding with the target alone", request_id)
+        self.metrics.drafter_lost.inc()
 
     async def stats(self) -> dict:
         async def actor_stats(worker: Worker) -> dict:

@@ -36,6 +36,8 @@ class CoordinatorMetrics:
                                              boundaries=SECONDS_BUCKETS, tag_keys=("protocol",))
         self.pipeline = Counter("hetspec_pipeline_speculations_total",
                                 "Speculative drafts, by outcome (hit: used, miss: dropped).", tag_keys=("outcome",))
+        self.drafter_lost = Counter("hetspec_drafter_lost_total",
+                                    "Requests that lost their drafter and were finished by the target alone.")
         self.ongoing_requests = Gauge("hetspec_coordinator_ongoing_requests",
                                       "Requests in progress in this coordinator replica.", tag_keys=("replica",))
 

@@ -55,6 +55,7 @@ class PipelineStats(Stats):
     pipelined: bool = False
     pipeline_hits: int = 0  # speculative drafts used
     pipeline_misses: int = 0  # speculative drafts dropped
+    drafter_lost: bool = False  # the drafter died (or was being replaced): the target decoded alone from then on
 
 
 @dataclass
@@ -99,11 +100,17 @@ class _Speculation:
 
 
 class DecodeLoop:
-    """One request's decoding across a drafter and a target worker whose sessions are already open."""
+    """One request's decoding across a drafter and a target worker whose sessions are already open.
+
+    If the drafter is lost mid-request (``WorkerLost``), decoding goes on with the target alone: a step
+    with no candidates verifies nothing and commits the target's own next token, which is what the target
+    alone would output (token for token in greedy and seeded exact-match decoding), so nothing is lost.
+    """
 
     def __init__(self, request_id: str, algorithm: Algorithm, params: SamplingParams, output: OutputText,
                  policy: DraftLength, stats: PipelineStats, target_ids: list[int], target: Worker,
-                 drafter: Worker | None, pipelined: bool, on_step: Callable[[Step], None] = lambda step: None):
+                 drafter: Worker | None, pipelined: bool, on_step: Callable[[Step], None] = lambda step: None,
+                 on_drafter_lost: Callable[[], None] = lambda: None):
         self.request_id = request_id
         self.algorithm = algorithm
         self.params = params
@@ -116,6 +123,7 @@ class DecodeLoop:
         self.pipelined = pipelined and drafter is not None
         self.stats.pipelined = self.pipelined
         self.on_step = on_step
+        self.on_drafter_lost = on_drafter_lost
 
     async def run(self) -> AsyncIterator[StreamEvent]:
         started = time.perf_counter()
@@ -128,16 +136,21 @@ class DecodeLoop:
             drafts = self.drafter is not None and k > 0 and _complete(committed)  # Engine.stream's condition
             message, drafter_seconds, outcome = None, 0.0, None
             if speculation is not None:
-                spent, message = await speculation.usable(new_ids)
-                self._count_draft(spent)
-                drafter_seconds += spent.seconds
-                message = message if drafts else None
-                outcome = "hit" if message is not None else "miss"
+                usable = await self._from_drafter(speculation.usable(new_ids))
+                if usable is not None:
+                    spent, message = usable
+                    self._count_draft(spent)
+                    drafter_seconds += spent.seconds
+                    message = message if drafts else None
+                    outcome = "hit" if message is not None else "miss"
+            drafts = drafts and self.drafter is not None  # a lost drafter drafts no more
             if drafts and message is None:
-                message = await self.drafter.call("draft", self.request_id, committed, k, len(self.output.token_ids))
-                self._count_draft(message)
-                drafter_seconds += message.seconds
-            message = message or DraftMessage()
+                message = await self._from_drafter(
+                    self.drafter.call("draft", self.request_id, committed, k, len(self.output.token_ids)))
+                if message is not None:
+                    self._count_draft(message)
+                    drafter_seconds += message.seconds
+            message = message or DraftMessage()  # no draft: the target commits its own next token
             tick = time.perf_counter()
             message = self._align(message)
             alignment_seconds = time.perf_counter() - tick
@@ -154,6 +167,19 @@ class DecodeLoop:
                 yield StreamEvent(kept_ids, delta, finish, self.stats)
                 return
             yield StreamEvent(kept_ids, delta)
+
+    async def _from_drafter(self, call: Awaitable):
+        """The drafter call's result, or None once the drafter is lost (the request goes on target-only)."""
+        try:
+            return await call
+        except WorkerLost as error:
+            if error.role != "drafter":
+                raise
+            if self.drafter is not None:
+                self.drafter, self.pipelined = None, False
+                self.stats.drafter_lost = True
+                self.on_drafter_lost()
+            return None
 
     def _align(self, message: DraftMessage) -> DraftMessage:
         """String-level alignment (SLEM re-tokenizes the drafted text); other algorithms pass ids through."""

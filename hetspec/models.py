@@ -149,6 +149,8 @@ def resolve_source(spec: str, progress: Callable[[str], None] | None = None) -> 
         return str(path.parent), path.name
     if path.is_dir():
         return str(path), None
+    if spec.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model folder {spec} does not exist")
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
         return spec, None  # a Hugging Face model id
     known = ", ".join(sorted(registry.OFFLINE_MODELS))

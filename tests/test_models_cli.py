@@ -40,6 +40,8 @@ def test_unknown_model_names_are_explained(tmp_path):
         resolve_source("no-such-model")
     with pytest.raises(FileNotFoundError):
         resolve_source(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="model folder .* does not exist"):
+        resolve_source(str(tmp_path / "missing-model"))
     assert resolve_source("Qwen/Qwen2.5-Coder-7B-Instruct") == ("Qwen/Qwen2.5-Coder-7B-Instruct", None)
     assert resolve_source(str(tmp_path)) == (str(tmp_path), None)
 
