@@ -195,6 +195,7 @@ def test_cancelled_request_frees_both_sessions_within_a_second(served_app, grpc_
         cancelled_at = time.monotonic()
         future.cancel()
     seconds = _seconds_until_freed(served_app, cancelled_at)
+    print(f"{interface}: both sessions freed {seconds:.3f} s after the cancel")  # shown with pytest -s
     assert seconds <= CANCEL_DEADLINE_S, f"{interface}: sessions freed {seconds:.2f} s after the cancel"
     after = _stats(served_app)
     assert after["cancelled_requests"] == before["cancelled_requests"] + 1
@@ -213,6 +214,7 @@ def test_drafter_killed_mid_request_the_target_finishes_it_alone(served_app, grp
     import ray
 
     drafter_before = _stats(served_app)["drafter"]["actor"]
+    drafter = _actor_handles()["drafter"]  # fetched first: the kill must land while the request runs
     body = {"model": served_app.model_id, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
             "stream": True, "hetspec": {"ignore_eos": True}}
     events = []
@@ -221,7 +223,7 @@ def test_drafter_killed_mid_request_the_target_finishes_it_alone(served_app, grp
             if line.startswith("data: ") and line != "data: [DONE]":
                 events.append(json.loads(line[len("data: "):]))
                 if len(events) == 1:
-                    ray.kill(_actor_handles()["drafter"])
+                    ray.kill(drafter)
     assert not [event for event in events if "error" in event], events[-1]
     assert [token for event in events for token in event["hetspec"]["token_ids"]] == reference
     stats = events[-1]["hetspec"]["stats"]
@@ -240,9 +242,10 @@ def test_drafter_killed_mid_request_the_target_finishes_it_alone(served_app, grp
 def test_target_killed_mid_request_is_unavailable_then_recovers(served_app, grpc_stub, reference):  # noqa: F811
     import ray
 
+    target = _actor_handles()["target"]
     call = grpc_stub.GenerateStream(_long_request(), metadata=GRPC_METADATA, timeout=120)
     next(call)
-    ray.kill(_actor_handles()["target"])
+    ray.kill(target)
     with pytest.raises(grpc.RpcError) as failure:
         for _ in call:
             pass
@@ -280,6 +283,7 @@ def test_a_model_that_fails_to_load_is_reported_with_its_reason(served_app, tmp_
         assert f"the target model '{missing}' failed to load" in deployment.message, deployment.message
         assert f"model folder {missing} does not exist" in deployment.message, deployment.message
         assert application.status in ("DEPLOYING", "DEPLOY_FAILED")  # never RUNNING, never hidden
+        print(deployment.message)  # shown with pytest -s
     finally:
         serve.delete("broken")
     assert httpx.get(f"{served_app.http_url}/health", timeout=30).status_code == 200  # the good app is untouched
