@@ -66,6 +66,10 @@ class SpeculationConfig(StrictModel):
     max_draft_tokens: int = Field(16, ge=1, le=64, description="Upper bound of the adaptive k.")
     confidence_threshold: float = Field(0.0, ge=0.0, lt=1.0, description=(
         "Stop a draft early once the drafter's top probability falls below this; 0 disables."))
+    tree_width: int = Field(1, ge=1, le=8, description=(
+        "SLEM draft tree: branches kept per depth, best drafter path probability first, the drafter's own "
+        "chain always among them (one batched drafter pass per depth, one target pass with tree attention); "
+        "1 drafts a single chain. Only SLEM (and auto when it picks SLEM) drafts trees."))
     slrs_lookahead: int = Field(1, ge=1, le=4, description=(
         "Drafter tokens per SLRS proposal; above 1 psi is enumerated exactly over all drafter sequences."))
     slrs_enumeration_budget: int = Field(65536, ge=1, description=(
@@ -77,6 +81,9 @@ class SpeculationConfig(StrictModel):
     def _bounds(self) -> "SpeculationConfig":
         if self.min_draft_tokens > self.max_draft_tokens:
             raise ValueError("min_draft_tokens must not exceed max_draft_tokens")
+        if self.tree_width > 1 and self.algorithm not in ("slem", "auto", "ar"):
+            raise ValueError(f"tree_width > 1 needs algorithm slem or auto, not {self.algorithm!r}: "
+                             "trees are verified by exact match")
         return self
 
 

@@ -13,6 +13,8 @@ from hetspec.algorithms import Algorithm, Draft, DrafterSide, PairMaps, make_alg
 from hetspec.align import complete_utf8_length
 from hetspec.config import SamplingParams, SpeculationConfig
 from hetspec.models import LanguageModel
+from hetspec.sampling import target_choice
+from hetspec.tree import TokenTree, chain_then_tree, walk
 from hetspec.verify import verify_candidates
 from hetspec.vocab import token_bytes
 
@@ -96,11 +98,35 @@ class TargetSide:
 
     def verify(self, algorithm: Algorithm, draft: Draft, params: SamplingParams) -> list[int]:
         first_position = len(self.ids) - self.prompt_len
+        if draft.tree is not None:
+            return self.verify_tree(draft.tree, params, first_position)
         logits = self.logits_for(draft.candidates)
         accepted_len, next_token = verify_candidates(
             draft.candidates, draft.draft_probs, logits, params.temperature, params.top_k, params.top_p,
             params.seed, first_position, exact=algorithm.exact)
         return self.commit(draft.candidates, accepted_len, next_token)
+
+    def verify_tree(self, tree: TokenTree, params: SamplingParams, first_position: int) -> list[int]:
+        """Exact match down a token tree (``hetspec.tree.walk``) in one pass; the cache keeps the accepted branch."""
+        self.forwards += 1
+        cached, pending = self.session.length, self.ids[self.session.length:]
+        logits = self.session.extend_tree(pending + tree.tokens, chain_then_tree(len(pending), tree),
+                                          logits_to_keep=len(tree) + 1)  # [1 + nodes, vocab]
+        greedy_choices = logits.argmax(dim=-1).tolist() if params.greedy else None
+
+        def choice_at(node: int, depth: int) -> int:
+            row = node + 1  # row 0: after the last committed id
+            if greedy_choices is not None:
+                return greedy_choices[row]
+            return target_choice(logits[row], params.temperature, params.top_k, params.top_p, params.seed,
+                                 first_position + depth)
+
+        accepted, next_token = walk(tree.children(), choice_at)
+        tree_start = cached + len(pending)
+        self.session.keep(list(range(tree_start)) + [tree_start + node for node in accepted])
+        new_ids = [tree.tokens[node] for node in accepted] + [next_token]
+        self.ids.extend(new_ids)
+        return new_ids
 
     def release(self) -> None:
         self.session.release()
@@ -234,9 +260,9 @@ class Engine:
                 new_ids = target_side.verify(algorithm, draft, params)
                 stats.target_seconds += time.perf_counter() - tick
                 stats.target_forwards += 1
-                stats.drafted_tokens += len(draft.candidates)
+                stats.drafted_tokens += draft.proposed_len
                 stats.accepted_tokens += len(new_ids) - 1
-                policy.update(len(draft.candidates), len(new_ids) - 1)
+                policy.update(draft.proposed_len, len(new_ids) - 1)
                 kept_ids, delta, finish = output.add(new_ids)
                 stats.generated_tokens = len(output.token_ids)
                 if finish:

@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
 from hetspec import registry
+from hetspec.tree import tree_attention
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,40 @@ class KVSession:
         output = model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=kept)
         self.length += len(token_ids)
         return output.logits[0, -kept:, :].float()
+
+    @torch.inference_mode()
+    def extend_tree(self, token_ids: list[int], parents: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
+        """Feed a token tree after the cached tokens (``hetspec.tree``; parent -1: the cache's last token).
+        Return float32 logits of the last ``logits_to_keep`` nodes  # [kept, vocab_size]
+
+        The tree's keys and values stay in the cache in feeding order; ``keep`` then compacts it to one path.
+        """
+        if not token_ids or len(parents) != len(token_ids):
+            raise ValueError("extend_tree needs one parent per token, at least one token")
+        kept = len(token_ids) if logits_to_keep is None else logits_to_keep
+        model = self.language_model.model
+        config = model.config.get_text_config()
+        mask, positions = tree_attention(self.length, parents, model.dtype, self.language_model.device,
+                                         getattr(config, "layer_types", None), getattr(config, "sliding_window", None))
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.language_model.device)
+        output = model(input_ids=input_ids, cache=self.cache, use_cache=True, attention_mask=mask,
+                       position_ids=positions, logits_to_keep=kept)
+        self.length += len(token_ids)
+        return output.logits[0, -kept:, :].float()
+
+    def keep(self, positions: list[int]) -> None:
+        """Keep only the cached tokens at ``positions`` (increasing), in that order: one path of a fed tree."""
+        if positions == list(range(len(positions))):
+            self.rollback(len(positions))
+            return
+        if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[-1] >= self.length):
+            raise ValueError(f"positions to keep must increase and lie below {self.length}")
+        index = torch.tensor(positions, dtype=torch.long, device=self.language_model.device)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
+        self.length = len(positions)
 
     def rollback(self, length: int) -> None:
         """Drop every cached token after the first ``length`` (a rejected draft's keys and values)."""

@@ -68,8 +68,9 @@ def exact(target) -> dict[str, Distribution]:
             for name, params in SAMPLING.items()}
 
 
-def generated_sequences(engine: Engine, algorithm: str, sampling: str, seeds: int) -> list[tuple[int, ...]]:
-    speculation = SpeculationConfig(algorithm=algorithm)
+def generated_sequences(engine: Engine, algorithm: str, sampling: str, seeds: int,
+                        tree_width: int = 1) -> list[tuple[int, ...]]:
+    speculation = SpeculationConfig(algorithm=algorithm, tree_width=tree_width)
     params = SAMPLING[sampling]
     return [tuple(engine.generate(PROMPT, params.model_copy(update={"seed": seed}), speculation=speculation).token_ids)
             for seed in range(seeds)]
@@ -121,9 +122,11 @@ def test_lossless_with_temperature_top_k_and_top_p(engines, exact, algorithm):
     assert pvalue(engines, exact, algorithm, "t0.8-top5-p0.9", seeds=3000) > P_THRESHOLD
 
 
-def test_slem_reproduces_the_target_alone_seed_for_seed(engines, exact, target_alone_sequences):
-    """SLEM keeps only the target's own seeded choices, so it equals ``ar`` per seed, not just in distribution."""
-    slem = generated_sequences(engines["byte_level"], "slem", "t1", 300)
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_slem_reproduces_the_target_alone_seed_for_seed(engines, exact, target_alone_sequences, tree_width):
+    """SLEM keeps only the target's own seeded choices, so it equals ``ar`` per seed, not just in distribution;
+    with a draft tree too (the target walks the tree taking its own choices)."""
+    slem = generated_sequences(engines["byte_level"], "slem", "t1", 300, tree_width)
     assert slem == target_alone_sequences[:300]
     assert chi_square_pvalue(slem, exact["t1"]) > P_THRESHOLD
 
@@ -147,12 +150,13 @@ def char_target() -> LanguageModel:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("algorithm, target_kind", [("sd", "bpe"), ("tli", "bpe"), ("sd", "char"), ("tli", "char"),
-                                                    ("slem", "char")])
-def test_identical_drafter_accepts_every_draft(target, char_target, algorithm, target_kind, temperature):
+@pytest.mark.parametrize("algorithm, target_kind, tree_width", [
+    ("sd", "bpe", 1), ("tli", "bpe", 1), ("sd", "char", 1), ("tli", "char", 1), ("slem", "char", 1), ("slem", "char", 3)])
+def test_identical_drafter_accepts_every_draft(target, char_target, algorithm, target_kind, tree_width, temperature):
+    """With a tree, the drafter's own chain is one of the branches and the target walks all of it."""
     model = target if target_kind == "bpe" else char_target
     engine = Engine(model, model)
-    speculation = SpeculationConfig(algorithm=algorithm, draft_tokens=4)
+    speculation = SpeculationConfig(algorithm=algorithm, draft_tokens=4, tree_width=tree_width)
     for seed in range(5):
         params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed, ignore_eos=True)
         stats = engine.generate(PROMPT, params, speculation=speculation).stats
@@ -161,15 +165,16 @@ def test_identical_drafter_accepts_every_draft(target, char_target, algorithm, t
 
 # --- greedy ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("drafter, algorithm", [
-    ("same_vocab", "sd"),
-    ("byte_level", "tli"), ("byte_level", "slrs"), ("byte_level", "slem"),
-    ("metaspace", "tli"), ("metaspace", "slrs"), ("metaspace", "slem"),
+@pytest.mark.parametrize("drafter, algorithm, tree_width", [
+    ("same_vocab", "sd", 1),
+    ("byte_level", "tli", 1), ("byte_level", "slrs", 1), ("byte_level", "slem", 1), ("byte_level", "slem", 3),
+    ("metaspace", "tli", 1), ("metaspace", "slrs", 1), ("metaspace", "slem", 1), ("metaspace", "slem", 2),
 ])
-def test_greedy_equals_the_target_alone(engines, drafter, algorithm):
+def test_greedy_equals_the_target_alone(engines, drafter, algorithm, tree_width):
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    speculation = SpeculationConfig(algorithm=algorithm, tree_width=tree_width)
     for prompt in ("ab c", "c", "cab ba", "a a bcc"):
         expected = engines["none"].generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
-        result = engines[drafter].generate(prompt, params, speculation=SpeculationConfig(algorithm=algorithm))
+        result = engines[drafter].generate(prompt, params, speculation=speculation)
         assert result.token_ids == expected
         assert result.stats.drafted_tokens > 0

@@ -20,16 +20,28 @@ from hetspec import vocab
 from hetspec.align import DrafterContext
 from hetspec.config import SamplingParams, SpeculationConfig
 from hetspec.models import KVSession, LanguageModel
+from hetspec.tree import TokenTree
 
 
 @dataclass
 class Draft:
-    """One proposal. ``candidates`` are target ids; ``draft_probs`` is [len(candidates), target_vocab] or None."""
+    """One proposal: a chain of target ids (``candidates``) or a tree of them (``tree``).
+
+    ``draft_probs`` is [len(candidates), target_vocab] or None. SLEM drafts strings and ``align`` turns
+    them into target ids: ``text`` for a chain, ``texts`` (one per root-to-leaf branch) for a tree.
+    """
 
     candidates: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
-    text: bytes = b""  # SLEM: the drafted string, aligned to target ids by ``align``
+    text: bytes = b""
+    texts: list[bytes] = field(default_factory=list)
+    tree: TokenTree | None = None
     drafter_forwards: int = 0
+
+    @property
+    def proposed_len(self) -> int:
+        """Target tokens the draft could add: the chain's length or the tree's depth."""
+        return self.tree.max_depth if self.tree is not None else len(self.candidates)
 
 
 class PairMaps:

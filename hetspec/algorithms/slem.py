@@ -8,6 +8,8 @@ target itself would have chosen are ever kept.
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -16,6 +18,7 @@ from hetspec.algorithms.base import Algorithm, Draft, DrafterSide
 from hetspec.align import complete_utf8_length, target_candidates
 from hetspec.config import SamplingParams
 from hetspec.sampling import Stream, logits_to_probs, sample_from, uniform
+from hetspec.tree import ROOT, TokenTree, trie
 
 
 class StringLevelExactMatch(Algorithm):
@@ -28,6 +31,8 @@ class StringLevelExactMatch(Algorithm):
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
               first_position: int) -> Draft:
+        if self.speculation.tree_width > 1:
+            return self.draft_tree(drafter, committed, k, params, first_position)
         drafter.sync(committed)
         forwards_before = drafter.forwards
         table = drafter.context.table
@@ -51,9 +56,73 @@ class StringLevelExactMatch(Algorithm):
         usable = bytes(drafted[:complete_utf8_length(bytes(drafted))])
         return Draft(text=usable, drafter_forwards=drafter.forwards - forwards_before)
 
+    def draft_tree(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
+                   first_position: int) -> Draft:
+        """A beam of ``tree_width`` branches per depth, scored by drafter path probability, that always holds
+        the chain ``draft`` would write (so a tree never accepts less than that chain). Depth d is one drafter
+        pass over the whole tree so far (tree attention), so a draft of depth k costs k drafter passes."""
+        drafter.sync(committed)
+        forwards_before = drafter.forwards
+        table, width = drafter.context.table, self.speculation.tree_width
+        threshold = self.speculation.confidence_threshold
+        frontier_logits = drafter.next_logits()[None]  # [frontier, drafter_vocab]
+        cached = drafter.session.length
+        tree = TokenTree()
+        log_probs: list[float] = []
+        principal: int | None = ROOT  # the node on the chain ``draft`` would write
+        frontier = [ROOT]
+        for depth in range(k):
+            scored = []  # (is principal child, path log probability, parent, token)
+            for parent, logits in zip(frontier, frontier_logits):
+                probs = self._drafter_probs(logits, params)
+                parent_log_prob = log_probs[parent] if parent != ROOT else 0.0
+                choices = dict.fromkeys(probs.topk(width).indices.tolist(), False)
+                if parent == principal and not self._stop_early(float(probs.max()), depth):
+                    choices[self._chain_token(probs, params, first_position + depth)] = True
+                for token, is_principal in choices.items():
+                    log_prob = parent_log_prob + math.log(max(float(probs[token]), 1e-30))
+                    if table[token] is not None and (is_principal or math.exp(log_prob) >= threshold):
+                        scored.append((is_principal, log_prob, parent, token))
+            scored.sort(reverse=True)
+            principal, frontier = None, []
+            for is_principal, log_prob, parent, token in scored[:width]:
+                frontier.append(tree.add(token, parent))
+                log_probs.append(log_prob)
+                if is_principal:
+                    principal = frontier[-1]
+            if not frontier or depth == k - 1:
+                break
+            drafter.forwards += 1
+            frontier_logits = drafter.session.extend_tree(tree.tokens, tree.parents, logits_to_keep=len(frontier))
+            drafter.session.rollback(cached)
+        leaves = sorted(set(range(len(tree))) - set(tree.parents))
+        texts = []
+        for leaf in leaves:
+            data = b"".join(table[tree.tokens[node]] for node in tree.path(leaf))
+            texts.append(data[:complete_utf8_length(data)])
+        return Draft(texts=[text for text in dict.fromkeys(texts) if text],
+                     drafter_forwards=drafter.forwards - forwards_before)
+
+    def _drafter_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        if params.greedy:
+            return torch.softmax(logits, dim=-1)
+        return logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
+
+    @staticmethod
+    def _chain_token(probs: torch.Tensor, params: SamplingParams, position: int) -> int:
+        if params.greedy:
+            return int(torch.argmax(probs))
+        return sample_from(probs, uniform(params.seed, Stream.TARGET, position))
+
     def align(self, draft: Draft, committed_target_ids: Sequence[int]) -> Draft:
+        encode = partial(target_candidates, self.maps.encode_target, self.maps.target_table, committed_target_ids,
+                         window=self.speculation.alignment_window)
         if draft.text:
-            draft.candidates = target_candidates(self.maps.encode_target, self.maps.target_table,
-                                                 committed_target_ids, draft.text.decode("utf-8"),
-                                                 self.speculation.alignment_window)
+            draft.candidates = encode(new_text=draft.text.decode("utf-8"))
+        elif draft.texts:
+            tree = trie(encode(new_text=text.decode("utf-8")) for text in draft.texts)
+            if tree.parents == list(range(-1, len(tree) - 1)):  # one branch: verify it as a chain
+                draft.candidates = tree.tokens
+            else:
+                draft.tree = tree
         return draft
