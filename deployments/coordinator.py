@@ -127,6 +127,8 @@ class Coordinator:
             raise InvalidRequest("max_new_tokens", f"must be at most {limits.max_new_tokens} on this server")
         overrides = {name: value for name, value in
                      (("algorithm", request.algorithm), ("draft_tokens", request.draft_tokens)) if value is not None}
+        if overrides.get("algorithm") not in (None, "slem", "auto"):
+            overrides["tree_width"] = 1  # the server's SLEM draft tree does not apply to a chain-only algorithm
         try:
             speculation = SpeculationConfig.model_validate({**self.config.speculation.model_dump(), **overrides})
         except ValidationError as error:

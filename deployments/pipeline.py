@@ -94,6 +94,10 @@ class _Speculation:
             return draft, DraftMessage(candidates=draft.candidates[1:], draft_probs=draft.draft_probs,
                                        first_row=draft.first_row + 1)
         bonus_bytes = self.table[bonus] or b""  # a text draft (SLEM): its text must start with the bonus token's
+        if draft.texts:  # a tree: the branches that guessed the bonus token
+            rest = [text[len(bonus_bytes):] for text in draft.texts
+                    if text.startswith(bonus_bytes) and len(text) > len(bonus_bytes)]
+            return draft, DraftMessage(texts=rest) if rest else None
         if not draft.text.startswith(bonus_bytes) or len(draft.text) == len(bonus_bytes):
             return draft, None
         return draft, DraftMessage(text=draft.text[len(bonus_bytes):])
@@ -155,7 +159,9 @@ class DecodeLoop:
             message = self._align(message)
             alignment_seconds = time.perf_counter() - tick
             verifying = self.target.call("verify", self.request_id, message)
-            speculation = self._speculate(committed, message.candidates, remaining) if self.pipelined else None
+            # a tree's accepted branch is not known ahead of verification: nothing to assume, no speculation
+            speculating = self.pipelined and message.tree is None
+            speculation = self._speculate(committed, message.candidates, remaining) if speculating else None
             result: VerifyResult = await verifying
             new_ids = result.new_ids
             self._account(message, result, drafter_seconds, alignment_seconds, outcome)
@@ -183,10 +189,11 @@ class DecodeLoop:
 
     def _align(self, message: DraftMessage) -> DraftMessage:
         """String-level alignment (SLEM re-tokenizes the drafted text); other algorithms pass ids through."""
-        if not message.text:
+        if not message.text and not message.texts:
             return message
-        draft = self.algorithm.align(Draft(candidates=list(message.candidates), text=message.text), self.target_ids)
-        return DraftMessage(candidates=draft.candidates, draft_probs=message.draft_probs,
+        draft = self.algorithm.align(Draft(candidates=list(message.candidates), text=message.text,
+                                           texts=list(message.texts)), self.target_ids)
+        return DraftMessage(candidates=draft.candidates, tree=draft.tree, draft_probs=message.draft_probs,
                             first_row=message.first_row)
 
     def _speculate(self, committed: bytes, candidates: list[int], remaining: int) -> _Speculation | None:
@@ -209,15 +216,16 @@ class DecodeLoop:
     def _account(self, message: DraftMessage, result: VerifyResult, drafter_seconds: float,
                  alignment_seconds: float, outcome: str | None) -> None:
         accepted = len(result.new_ids) - 1
+        drafted = message.tree.max_depth if message.tree is not None else len(message.candidates)
         self.stats.alignment_seconds += alignment_seconds
         self.stats.target_seconds += result.seconds
         self.stats.target_forwards += 1
-        self.stats.drafted_tokens += len(message.candidates)
+        self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
         self.stats.pipeline_hits += outcome == "hit"
         self.stats.pipeline_misses += outcome == "miss"
-        self.policy.update(len(message.candidates), accepted)
-        self.on_step(Step(len(message.candidates), accepted, drafter_seconds, result.seconds, alignment_seconds,
+        self.policy.update(drafted, accepted)
+        self.on_step(Step(drafted, accepted, drafter_seconds, result.seconds, alignment_seconds,
                           outcome))
 
 

@@ -24,6 +24,7 @@ from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide,
 from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
 from hetspec.engine import TargetSide
 from hetspec.models import LanguageModel, load_model
+from hetspec.tree import TokenTree
 
 from deployments.config import PipelineConfig
 from deployments.metrics import worker_metrics
@@ -61,6 +62,8 @@ class DraftMessage:
 
     candidates: list[int] = field(default_factory=list)
     text: bytes = b""
+    texts: list[bytes] = field(default_factory=list)  # SLEM draft tree: one string per branch
+    tree: TokenTree | None = None  # the aligned tree of target ids (verified by exact match, no rows)
     draft_probs: Any = None
     first_row: int = 0
     drafter_forwards: int = 0
@@ -171,7 +174,8 @@ class DrafterWorker(_Worker):
                 started = time.perf_counter()
                 draft = session.algorithm.draft(session.side, committed, k, session.params, first_position)
                 draft_probs = self.store(draft.draft_probs) if draft.draft_probs is not None else None
-                return DraftMessage(candidates=draft.candidates, text=draft.text, draft_probs=draft_probs,
+                return DraftMessage(candidates=draft.candidates, text=draft.text, texts=draft.texts,
+                                    draft_probs=draft_probs,
                                     drafter_forwards=draft.drafter_forwards,
                                     seconds=time.perf_counter() - started)
         finally:
@@ -205,7 +209,8 @@ class TargetWorker(_Worker):
         try:
             with self.sessions.use(request_id) as session:
                 started = time.perf_counter()
-                draft = Draft(candidates=message.candidates, draft_probs=self._draft_probs(message, session))
+                draft = Draft(candidates=message.candidates, draft_probs=self._draft_probs(message, session),
+                              tree=message.tree)
                 new_ids = session.side.verify(session.algorithm, draft, session.params)
                 return VerifyResult(new_ids, time.perf_counter() - started)
         finally:
