@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also run hetspec's adaptive draft length (starting at the largest k)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="hetspec: stop a draft once the drafter's top probability is below this (0: never)")
+    parser.add_argument("--tree-widths", type=int, nargs="+", default=[1],
+                        help="slem: draft-tree widths to run (1: a chain; see SpeculationConfig.tree_width)")
     parser.add_argument("--hf-drafts", nargs="+",
                         help="hf-assisted settings: default, heuristic or numbers (default: default + --draft-tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -157,7 +159,8 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     same_vocabulary = engine.maps.same_vocabulary
     families = [name.strip() for name in args.algorithms.split(",") if name.strip()]
     hf_drafts = args.hf_drafts or ["default", *map(str, args.draft_tokens)]
-    methods = build_methods(families, args.draft_tokens, args.adaptive, hf_drafts, same_vocabulary)
+    methods = build_methods(families, args.draft_tokens, args.adaptive, hf_drafts, same_vocabulary,
+                            tuple(args.tree_widths))
     runner = Runner(engine, params, args.chat, same_vocabulary, adaptive_start=max(args.draft_tokens),
                     confidence_threshold=args.confidence_threshold)
     records: list[RunRecord] = []
@@ -185,6 +188,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "chat": args.chat, "draft_tokens": args.draft_tokens,
                 "adaptive": args.adaptive, "confidence_threshold": args.confidence_threshold,
+                "tree_widths": args.tree_widths,
                 "same_vocabulary": same_vocabulary, "methods": [m.name for m in methods],
                 "hf_assisted_settings": {draft: runner.effective_assistant_settings(draft) for draft in hf_drafts}}
     result = {"meta": meta, "settings": settings, "note": args.note, "headline": analysis.headline(summary),

@@ -36,12 +36,14 @@ ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assi
 class MethodSpec:
     family: str  # one of FAMILIES
     draft: str = "-"  # "-" (no drafter), a draft length "3", "adaptive", or for hf-assisted "default"/"heuristic"
+    tree_width: int = 1  # slem: branches per depth of the draft tree (1: a chain)
 
     @property
     def name(self) -> str:
         if self.draft == "-":
             return self.family
-        return f"{self.family}/k{self.draft}" if self.draft.isdigit() else f"{self.family}/{self.draft}"
+        name = f"{self.family}/k{self.draft}" if self.draft.isdigit() else f"{self.family}/{self.draft}"
+        return name if self.tree_width == 1 else f"{name}/tree{self.tree_width}"
 
     @property
     def uses_drafter(self) -> bool:
@@ -49,8 +51,8 @@ class MethodSpec:
 
 
 def build_methods(families: list[str], draft_tokens: list[int], adaptive: bool, hf_drafts: list[str],
-                  same_vocabulary: bool) -> list[MethodSpec]:
-    """Every (family, draft setting) to run; ``sd`` only for a pair with one vocabulary."""
+                  same_vocabulary: bool, tree_widths: tuple[int, ...] = (1,)) -> list[MethodSpec]:
+    """Every (family, draft setting) to run; ``sd`` only for a pair with one vocabulary; trees for slem only."""
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
@@ -63,9 +65,10 @@ def build_methods(families: list[str], draft_tokens: list[int], adaptive: bool, 
         elif family == "sd" and not same_vocabulary:
             continue
         else:
-            methods.extend(MethodSpec(family, str(k)) for k in draft_tokens)
-            if adaptive:
-                methods.append(MethodSpec(family, "adaptive"))
+            for width in tree_widths if family == "slem" else (1,):
+                methods.extend(MethodSpec(family, str(k), width) for k in draft_tokens)
+                if adaptive:
+                    methods.append(MethodSpec(family, "adaptive", width))
     return methods
 
 
@@ -151,7 +154,8 @@ class Runner:
                          self.target_meter.take(), drafter_calls, stats, extra)
 
     def _run_hetspec(self, spec: MethodSpec, case: PromptCase, params: SamplingParams):
-        speculation = {"algorithm": spec.family, "confidence_threshold": self.confidence_threshold}
+        speculation = {"algorithm": spec.family, "confidence_threshold": self.confidence_threshold,
+                       "tree_width": spec.tree_width}
         if spec.draft == "adaptive":
             speculation.update(adaptive=True, draft_tokens=self.adaptive_start)
         elif spec.uses_drafter:
