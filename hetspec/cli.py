@@ -27,6 +27,9 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--draft-tokens", type=int, default=5)
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length to acceptance")
+    parser.add_argument("--tree-width", type=int, default=1, help="SLEM draft tree: branches per depth (1: a chain)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0,
+                        help="stop drafting once the drafter's top probability is below this (0: never)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
@@ -42,7 +45,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)
         speculation = SpeculationConfig(algorithm=args.algorithm, draft_tokens=args.draft_tokens,
-                                        adaptive=args.adaptive)
+                                        adaptive=args.adaptive, tree_width=args.tree_width,
+                                        confidence_threshold=args.confidence_threshold)
     except ValidationError as error:
         for problem in error.errors():
             field = ".".join(str(part) for part in problem["loc"]).replace("_", "-")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 Algorithm = Literal["auto", "ar", "sd", "slem", "tli", "slrs"]
 ALGORITHMS: tuple[str, ...] = ("auto", "ar", "sd", "slem", "tli", "slrs")
@@ -77,13 +77,19 @@ class SpeculationConfig(StrictModel):
     alignment_window: int = Field(8, ge=1, le=256, description=(
         "Committed tokens re-tokenized together with new text (a bounded window, never the whole context)."))
 
+    @field_validator("tree_width")
+    @classmethod
+    def _tree_needs_exact_match(cls, tree_width: int, info: ValidationInfo) -> int:
+        algorithm = info.data.get("algorithm")
+        if tree_width > 1 and algorithm not in ("slem", "auto", "ar"):
+            raise ValueError(f"tree_width > 1 needs algorithm slem or auto, not {algorithm!r}: "
+                             "trees are verified by exact match")
+        return tree_width
+
     @model_validator(mode="after")
     def _bounds(self) -> "SpeculationConfig":
         if self.min_draft_tokens > self.max_draft_tokens:
             raise ValueError("min_draft_tokens must not exceed max_draft_tokens")
-        if self.tree_width > 1 and self.algorithm not in ("slem", "auto", "ar"):
-            raise ValueError(f"tree_width > 1 needs algorithm slem or auto, not {self.algorithm!r}: "
-                             "trees are verified by exact match")
         return self
 
 
