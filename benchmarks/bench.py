@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also run hetspec's adaptive draft length (starting at the largest k)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="hetspec: stop a draft once the drafter's top probability is below this (0: never)")
+    parser.add_argument("--drafter-quantize", choices=["none", "int8"], default="none",
+                        help="int8: dynamic int8 drafter (CPU); hetspec and transformers share that drafter")
     parser.add_argument("--tree-widths", type=int, nargs="+", default=[1],
                         help="slem: draft-tree widths to run (1: a chain; see SpeculationConfig.tree_width)")
     parser.add_argument("--hf-drafts", nargs="+",
@@ -153,7 +155,8 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     meta = report.provenance(argv, args.device)  # before loading: the load average says how busy the machine was
     progress = lambda message: print(message, file=sys.stderr)  # noqa: E731
     target = load_model(target_spec, dtype=dtype, device=args.device, threads=args.threads, progress=progress)
-    drafter = load_model(drafter_spec, dtype=dtype, device=args.device, threads=args.threads, progress=progress)
+    drafter = load_model(drafter_spec, dtype=dtype, device=args.device, threads=args.threads, progress=progress,
+                         quantize=args.drafter_quantize)
     meta["machine"]["torch_threads"] = torch.get_num_threads()
     engine = Engine(target, drafter)
     same_vocabulary = engine.maps.same_vocabulary
@@ -188,7 +191,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "chat": args.chat, "draft_tokens": args.draft_tokens,
                 "adaptive": args.adaptive, "confidence_threshold": args.confidence_threshold,
-                "tree_widths": args.tree_widths,
+                "tree_widths": args.tree_widths, "drafter_quantize": args.drafter_quantize,
                 "same_vocabulary": same_vocabulary, "methods": [m.name for m in methods],
                 "hf_assisted_settings": {draft: runner.effective_assistant_settings(draft) for draft in hf_drafts}}
     result = {"meta": meta, "settings": settings, "note": args.note, "headline": analysis.headline(summary),

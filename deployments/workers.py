@@ -79,7 +79,8 @@ class VerifyResult:
 def _load(model: ModelConfig | LanguageModel) -> LanguageModel:
     if isinstance(model, LanguageModel):
         return model
-    return load_model(model.model, dtype=model.dtype, device=model.device, threads=model.threads)
+    return load_model(model.model, dtype=model.dtype, device=model.device, threads=model.threads,
+                      quantize=model.quantize)
 
 
 class _Worker:

@@ -27,6 +27,8 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--draft-tokens", type=int, default=5)
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length to acceptance")
+    parser.add_argument("--drafter-quantize", choices=["none", "int8"], default="none",
+                        help="int8: dynamic int8 drafter on the CPU (faster drafts, same output)")
     parser.add_argument("--tree-width", type=int, default=1, help="SLEM draft tree: branches per depth (1: a chain)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="stop drafting once the drafter's top probability is below this (0: never)")
@@ -58,7 +60,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     target = load_model(args.target, args.dtype, args.device, args.threads, progress=_progress)
     drafter = None
     if speculation.algorithm != "ar":
-        drafter = load_model(args.drafter, args.dtype, args.device, args.threads, progress=_progress)
+        drafter = load_model(args.drafter, args.dtype, args.device, args.threads, progress=_progress,
+                             quantize=args.drafter_quantize)
     engine = Engine(target, drafter, speculation)
     messages = [{"role": "user", "content": prompt}] if args.chat else None
     try:

@@ -99,3 +99,12 @@ class ModelConfig(StrictModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and activations dtype.")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu, cuda or cuda:N.")
     threads: int | None = Field(None, ge=1, le=256, description="torch intra-op threads; None keeps torch's default.")
+    quantize: Literal["none", "int8"] = Field("none", description=(
+        "int8: dynamic int8 quantization of the Linear layers (CPU only; loads float32 weights first). "
+        "Meant for the drafter: it changes proposals and speed, never the output."))
+
+    @model_validator(mode="after")
+    def _quantize_on_cpu(self) -> "ModelConfig":
+        if self.quantize == "int8" and self.device != "cpu":
+            raise ValueError("quantize: int8 runs on the CPU only")
+        return self

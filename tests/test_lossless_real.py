@@ -114,3 +114,17 @@ def test_hugging_face_assisted_generation_agrees(gemma, smollm):
                                         assistant_tokenizer=smollm.tokenizer, do_sample=False, max_new_tokens=32,
                                         min_new_tokens=32, attention_mask=torch.ones_like(input_ids))
         assert peer[0, input_ids.shape[1]:].tolist() == ours.token_ids
+
+
+def test_int8_drafter_changes_speed_never_the_output(gemma):
+    from hetspec import load_model
+
+    drafter = load_model("smollm2-135m", quantize="int8")
+    assert type(drafter.model.lm_head).__name__ == "Linear" and "quantized" in type(drafter.model.lm_head).__module__
+    engine = Engine(gemma, drafter)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    reference = _ar_reference(engine, PROMPTS[1], params)
+    result = engine.generate(PROMPTS[1], params, speculation=SpeculationConfig(algorithm="slem", draft_tokens=4))
+    assert result.token_ids == reference and result.stats.accepted_tokens > 0
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model("smollm2-135m", quantize="int8", device="cuda")
