@@ -15,13 +15,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from deployments.admission import Ticket
 from deployments.auth import OPEN_HTTP_PATHS, Unauthenticated, bearer_token
 from deployments.coordinator import (Coordinator, InvalidRequest, Overloaded, Prepared, RequestTimeout,
                                      serve_request_id, validation_to_invalid)
-from deployments.openai_protocol import (FIELD_NAMES, ChatCompletionRequest, CompletionRequest, ResponseWriter,
-                                         error_body, request_error, sse)
+from deployments.openai_protocol import (FIELD_NAMES, ChatCompletion, ChatCompletionRequest, Completion,
+                                         CompletionRequest, ResponseWriter, error_body, generation_responses,
+                                         request_error, sse)
 from deployments.pipeline import WorkerLost
 
 log = logging.getLogger("ray.serve")
@@ -99,6 +101,14 @@ async def _on_validation_error(request: Request, error: RequestValidationError) 
     return JSONResponse(error_body(f"{param}: {first['msg']}", param), status_code=400)
 
 
+async def _on_http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown route, wrong method, a body that is not UTF-8) in OpenAI's shape."""
+    client_error = error.status_code < 500
+    param = "body" if error.status_code == 400 else None  # FastAPI's 400: "error parsing the body"
+    return JSONResponse(error_body(str(error.detail), param, "invalid_request_error" if client_error
+                                   else "server_error"), status_code=error.status_code, headers=error.headers)
+
+
 def _prepare(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest,
              request_id: str | None) -> Prepared:
     if body.model != coordinator.config.model_id:
@@ -167,13 +177,14 @@ async def _stream(coordinator: Coordinator, prepared: Prepared, writer: Response
 def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordinator) -> FastAPI:
     app = FastAPI(title="hetspec", description="Lossless heterogeneous speculative decoding, OpenAI-compatible.")
     app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
     app.add_middleware(RequireApiKey, get_coordinator=get_coordinator)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation_responses(Completion))
     async def completions(body: CompletionRequest, coordinator: Coordinator = Depends(get_coordinator)):
         return await _respond(coordinator, body, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation_responses(ChatCompletion))
     async def chat_completions(body: ChatCompletionRequest, coordinator: Coordinator = Depends(get_coordinator)):
         return await _respond(coordinator, body, chat=True)
 

@@ -173,6 +173,93 @@ def error_body(message: str, param: str | None, kind: str = "invalid_request_err
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class ErrorDetail(StrictModel):
+    message: str = Field(description="What is wrong; starts with the field's name when a field is at fault.")
+    type: str = Field(description="invalid_request_error, authentication_error, server_busy, server_unavailable, ...")
+    param: str | None = Field(description="The request field at fault (dotted path), if any.")
+    code: str | None = Field(description="A machine-readable code (e.g. overloaded), if any.")
+
+
+class ErrorResponse(StrictModel):
+    """OpenAI's error body: every 4xx/5xx of this API has it."""
+
+    error: ErrorDetail = Field(description="The error.")
+
+
+class Usage(StrictModel):
+    prompt_tokens: int = Field(description="Prompt tokens (the target's).")
+    completion_tokens: int = Field(description="Generated tokens (the target's).")
+    total_tokens: int = Field(description="Their sum.")
+
+
+class HetspecResult(StrictModel):
+    token_ids: list[int] = Field(description="The generated target token ids.")
+    stats: dict[str, Any] = Field(description="Speculation statistics (acceptance, forwards, seconds, ...).")
+
+
+class CompletionChoice(StrictModel):
+    index: int = Field(description="Always 0.")
+    text: str = Field(description="The generated text.")
+    finish_reason: Literal["stop", "length"] = Field(description="Why generation ended.")
+    logprobs: None = Field(description="Not supported: always null.")
+
+
+class Completion(StrictModel):
+    """A whole completion (``stream: false``); documents the 200 response, checked by the fuzz test."""
+
+    id: str = Field(description="cmpl-<request id>.")
+    object: Literal["text_completion"] = Field(description="The object type.")
+    created: int = Field(description="Unix time.")
+    model: str = Field(description="The served model id.")
+    choices: list[CompletionChoice] = Field(min_length=1, max_length=1, description="One choice.")
+    usage: Usage = Field(description="Token counts.")
+    hetspec: HetspecResult = Field(description="Token ids and speculation statistics (extension).")
+
+
+class AssistantMessage(StrictModel):
+    role: Literal["assistant"] = Field(description="Who speaks.")
+    content: str = Field(description="The generated text.")
+
+
+class ChatChoice(StrictModel):
+    index: int = Field(description="Always 0.")
+    message: AssistantMessage = Field(description="The reply.")
+    finish_reason: Literal["stop", "length"] = Field(description="Why generation ended.")
+
+
+class ChatCompletion(StrictModel):
+    """A whole chat completion (``stream: false``); documents the 200 response."""
+
+    id: str = Field(description="chatcmpl-<request id>.")
+    object: Literal["chat.completion"] = Field(description="The object type.")
+    created: int = Field(description="Unix time.")
+    model: str = Field(description="The served model id.")
+    choices: list[ChatChoice] = Field(min_length=1, max_length=1, description="One choice.")
+    usage: Usage = Field(description="Token counts.")
+    hetspec: HetspecResult = Field(description="Token ids and speculation statistics (extension).")
+
+
+# The error statuses the generation routes declare in the OpenAPI document (FastAPI's default 422 entry,
+# a list of pydantic errors, is replaced: validation errors are 400 with the body above).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request; `param` names the field."},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server requires one)."},
+    408: {"model": ErrorResponse, "description": "The request ran past the server's request timeout."},
+    422: {"model": ErrorResponse, "description": "Not sent by this server (validation errors are 400); "
+                                                 "declared with the error body in place of FastAPI's default."},
+    429: {"model": ErrorResponse, "description": "Too many requests in flight or queued; retry after "
+                                                 "`Retry-After` seconds."},
+    503: {"model": ErrorResponse, "description": "A model actor is being replaced; retry."},
+}
+
+
+def generation_responses(whole: type[StrictModel]) -> dict[int | str, dict[str, Any]]:
+    """A generation route's responses: ``whole`` as JSON, or server-sent events with ``stream: true``."""
+    events = {"schema": {"type": "string", "description": "data: <chunk JSON> events, ending with data: [DONE]"}}
+    return {200: {"model": whole, "description": "The completion, or its event stream.",
+                  "content": {"text/event-stream": events}}, **ERROR_RESPONSES}
+
+
 def usage(event: StreamEvent) -> dict:
     stats = event.stats
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,

@@ -41,8 +41,15 @@ def _generate_parser(sub) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
+    from hetspec.config import require_unicode
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    try:
+        # stdin as bytes: invalid UTF-8 is the user's input error, not a UnicodeDecodeError traceback
+        prompt = args.prompt if args.prompt is not None else sys.stdin.buffer.read().decode("utf-8")
+        require_unicode(prompt)  # an invalid UTF-8 argument arrives as lone surrogates (surrogateescape)
+    except ValueError as error:
+        print(f"hetspec: prompt: not valid UTF-8 text ({error})", file=sys.stderr)
+        return 2
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)

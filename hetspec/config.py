@@ -13,6 +13,20 @@ Algorithm = Literal["auto", "ar", "sd", "slem", "tli", "slrs"]
 ALGORITHMS: tuple[str, ...] = ("auto", "ar", "sd", "slem", "tli", "slrs")
 
 
+def require_unicode(text: str) -> str:
+    """``text`` itself, or a ValueError if it is not valid Unicode text (it holds a lone surrogate).
+
+    Python strings can hold lone surrogates (a JSON escape such as "\\ud800", bytes decoded with
+    ``surrogateescape``, e.g. an invalid UTF-8 argument); tokenizers cannot encode them (a TypeError).
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"is not valid Unicode: lone surrogate U+{ord(text[error.start]):04X} at character "
+                         f"{error.start}") from None
+    return text
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -48,6 +62,7 @@ class SamplingParams(StrictModel):
         for stop in stops:
             if not stop or len(stop) > 256:
                 raise ValueError("each stop string must have 1 to 256 characters")
+            require_unicode(stop)
         return stops
 
     @property

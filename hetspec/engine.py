@@ -230,8 +230,9 @@ class Engine:
     def stream(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                messages: list[dict[str, str]] | None = None,
                speculation: SpeculationConfig | None = None) -> Iterator[StreamEvent]:
-        params = params or SamplingParams()
-        speculation = speculation or self.speculation
+        # a plain dict is accepted too, validated here: a ValidationError names the field
+        params = SamplingParams() if params is None else SamplingParams.model_validate(params)
+        speculation = self.speculation if speculation is None else SpeculationConfig.model_validate(speculation)
         algorithm = make_algorithm(speculation.algorithm, self.maps, speculation, params)
         started = time.perf_counter()
         target_side = TargetSide(self.target, self.prompt_ids(prompt, messages, self.target))

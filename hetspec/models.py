@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
 
 from hetspec import registry
+from hetspec.config import require_unicode
 from hetspec.tree import tree_attention
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,12 @@ class LanguageModel:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a prompt, with the BOS token this model's tokenizer is configured to add."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"the prompt must be a str, not {type(prompt).__name__}")
+        try:
+            require_unicode(prompt)
+        except ValueError as error:
+            raise ValueError(f"the prompt {error}") from None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
@@ -60,6 +67,13 @@ class LanguageModel:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.tokenizer.chat_template:
             raise ValueError(f"model {self.name} has no chat template; send a plain prompt instead")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise TypeError(f"messages[{index}] must be a dict whose content is a str")
+            try:
+                require_unicode(message["content"])
+            except ValueError as error:
+                raise ValueError(f"messages[{index}].content {error}") from None
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
 
