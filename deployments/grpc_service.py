@@ -25,6 +25,7 @@ from hetspec.engine import StreamEvent
 from deployments.auth import Unauthenticated, grpc_api_key
 from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
                                      RequestTimeout, serve_request_id, validation_to_invalid)
+from deployments.grpc_registration import UndecodableRequest
 from deployments.pipeline import WorkerLost
 from protos.hetspec.v1 import hetspec_pb2 as pb
 
@@ -32,7 +33,9 @@ from protos.hetspec.v1 import hetspec_pb2 as pb
 FIELD_NAMES = {"params.": ""}
 
 
-def to_generation(request: pb.GenerateRequest, default_max_new_tokens: int) -> GenerationRequest:
+def to_generation(request: pb.GenerateRequest | UndecodableRequest, default_max_new_tokens: int) -> GenerationRequest:
+    if isinstance(request, UndecodableRequest):
+        raise InvalidRequest("request", f"is not a valid hetspec.v1.GenerateRequest: {request.reason}")
     params = {"max_new_tokens": request.max_new_tokens if request.HasField("max_new_tokens")
               else default_max_new_tokens, "stop": list(request.stop)}
     for name in ("temperature", "top_p", "top_k", "seed"):

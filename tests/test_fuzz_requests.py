@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from deployments.config import AppConfig
-from deployments.coordinator import Coordinator, GenerationRequest, InvalidRequest, validation_to_invalid
+from deployments.coordinator import Coordinator, InvalidRequest
 from deployments.grpc_service import FIELD_NAMES as GRPC_FIELD_NAMES
 from deployments.grpc_service import to_generation
 from deployments.openai_api import _prepare, build_openai_app
@@ -29,20 +29,11 @@ from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
 from deployments.workers import ModelInfo
 from hetspec import Engine, SamplingParams, SpeculationConfig, cli
 from protos.hetspec.v1 import hetspec_pb2 as pb
+from fuzz_strategies import GRPC_REQUESTS, JSONISH, TEXT
 from serve_fixtures import small_app_args
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-
-# Text of any code point: lone surrogates (what invalid UTF-8 becomes) and control characters included.
-CHARACTERS = st.characters() | st.characters(categories=["Cs"]) | st.characters(categories=["Cc"])
-TEXT = st.text(CHARACTERS, max_size=24)
-NUMBERS = (st.integers(-5, 70) | st.integers(-2**70, 2**70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 1.0, 2**63, 2**64, 1e308]))
-SCALARS = st.none() | st.booleans() | NUMBERS | TEXT
-JSONISH = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
-                       max_leaves=8)
-
 
 def bodies(base: dict, fields: list[str]) -> st.SearchStrategy[dict]:
     """``base`` with some known fields set to anything, some dropped, and maybe unknown fields added."""
@@ -170,21 +161,6 @@ def test_a_body_that_is_not_utf8_gets_an_openai_error(http):
 
 
 # --- gRPC: the proto's types bound what arrives; the conversion validates the rest ---------------------
-
-GRPC_REQUESTS = st.builds(
-    pb.GenerateRequest,
-    prompt=st.text(st.characters(codec="utf-8"), max_size=24),  # protobuf refuses invalid UTF-8 itself
-    max_new_tokens=st.none() | st.integers(-2**31, 2**31 - 1),
-    temperature=st.none() | st.floats(allow_nan=True, allow_infinity=True),
-    top_p=st.none() | st.floats(allow_nan=True, allow_infinity=True),
-    top_k=st.none() | st.integers(-2**31, 2**31 - 1),
-    seed=st.none() | st.integers(0, 2**64 - 1),
-    stop=st.lists(st.text(st.characters(codec="utf-8"), max_size=300), max_size=20),
-    algorithm=st.sampled_from(["", "auto", "ar", "sd", "slem", "tli", "slrs"]) | st.text(max_size=8),
-    draft_tokens=st.none() | st.integers(-2**31, 2**31 - 1),
-    pipelined=st.none() | st.booleans())
-
-
 @FUZZ
 @given(GRPC_REQUESTS)
 def test_grpc_requests(coordinator, request_message):
