@@ -21,8 +21,9 @@ from hetspec.engine import StreamEvent
 
 from deployments.coordinator import ChatMessage, GenerationRequest, InvalidRequest
 
-# Our SamplingParams names -> the OpenAI request's, for error messages.
-FIELD_NAMES = {"params.max_new_tokens": "max_tokens", "params.": ""}
+# Our SamplingParams names -> the OpenAI request's, for error messages (the coordinator's own limit check
+# names a bare max_new_tokens).
+FIELD_NAMES = {"params.max_new_tokens": "max_tokens", "params.": "", "max_new_tokens": "max_tokens"}
 
 
 class HetspecOptions(StrictModel):

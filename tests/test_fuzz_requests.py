@@ -25,7 +25,7 @@ from deployments.coordinator import Coordinator, InvalidRequest
 from deployments.grpc_service import FIELD_NAMES as GRPC_FIELD_NAMES
 from deployments.grpc_service import to_generation
 from deployments.openai_api import _prepare, build_openai_app
-from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, request_error
 from deployments.workers import ModelInfo
 from hetspec import Engine, SamplingParams, SpeculationConfig, cli
 from protos.hetspec.v1 import hetspec_pb2 as pb
@@ -114,7 +114,8 @@ def through_the_server(coordinator, http, request_model, route: str, body: dict)
         try:
             prepared = _prepare(coordinator, request, "fuzz")
         except InvalidRequest as error:
-            assert error.field and error.field != "request", error
+            param = request_error(error)["error"]["param"]  # in the client's own words
+            assert param.split(".")[0] in request_model.model_fields, (param, error)
         else:
             _assert_finite(prepared.params)
             assert 1 <= len(prepared.target_prompt_ids) <= 64
@@ -122,7 +123,8 @@ def through_the_server(coordinator, http, request_model, route: str, body: dict)
     response = http.post(route, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = ErrorResponse.model_validate(response.json()).error
-    assert error.type == "invalid_request_error" and error.param
+    assert error.type == "invalid_request_error"
+    assert error.param == "body" or error.param.split(".")[0] in {*request_model.model_fields, *body}, error
 
 
 COMPLETION_BASE = {"model": "gemma3-270m", "prompt": "hi", "max_tokens": 4}
@@ -138,6 +140,7 @@ PLAUSIBLE_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["u
 @example({**COMPLETION_BASE, "prompt": "\x00\x01\x1b[2J"}).via("control characters are text")
 @example({**COMPLETION_BASE, "\udcff": 1}).via("an unknown field whose name is not valid Unicode")
 @example({**COMPLETION_BASE, "max_tokens": 2**70}).via("a huge number")
+@example({**COMPLETION_BASE, "max_tokens": 17}).via("above the server's limit: was named max_new_tokens")
 def test_completion_requests(coordinator, http, body):
     through_the_server(coordinator, http, CompletionRequest, "/v1/completions", body)
 
