@@ -3,12 +3,14 @@
 One served small pair for the module, with a tiny token budget (every request the fuzzers make valid
 generates at most 4 tokens). Checks: no 5xx, every response conforms to the schema the document
 declares for its status (the 200 bodies and the OpenAI error body of 400/401/422/429/503), every status
-is declared; over gRPC a request succeeds or is INVALID_ARGUMENT naming a proto field. Afterwards no
-KV session is left open and the replica still answers.
+is declared; over gRPC a request succeeds or is INVALID_ARGUMENT naming a proto field. Then
+benchmarks/soak.py runs briefly against it, and afterwards no KV session is left open and the replica
+still answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -93,6 +95,23 @@ def test_grpc_request_that_is_not_utf8_is_invalid_argument(grpc_channel):
     # it was UNKNOWN ("Unexpected DecodeError"): the generated parser raised inside grpc
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (raised.value.code(), raised.value.details())
     assert raised.value.details().startswith("request: is not a valid hetspec.v1.GenerateRequest")
+
+
+def test_soak_machinery_two_clients_for_ten_seconds(served_app):
+    """benchmarks/soak.py's every kind of traffic against this app: all outcomes expected, nothing leaked."""
+    from benchmarks.soak import MIX, parse_args, soak
+
+    args = parse_args(["--clients", "2", "--minutes", str(10 / 60), "--max-new-tokens", "4", "--cancel-tokens", "4",
+                       "--settle", "30", "--timeout", "120"])
+    result = asyncio.run(soak(args, served_app.http_url, served_app.grpc_target))
+    summary = result["summary"]
+    assert [outcome["kind"] for outcome in summary["warmup"]] == list(MIX)
+    assert all(outcome["expected"] for outcome in summary["warmup"]), summary["warmup"]
+    assert summary["unexpected_errors"] == 0, summary["unexpected_examples"]
+    assert summary["requests"] > 0 and summary["served_ok"] > 0
+    assert summary["sessions_leaked"] == 0 and summary["health_after"] == 200
+    roles = {name.split(":")[0] for name, row in summary["memory"].items() if row["end_mib"]}
+    assert {"DrafterWorker", "TargetWorker"} <= roles, summary["memory"]
 
 
 def test_nothing_leaked_and_the_replica_answers(served_app):

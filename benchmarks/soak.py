@@ -1,0 +1,504 @@
+"""Soak test of a hetspec server: many clients for minutes, mixing every kind of traffic, then the bill.
+
+    python -m benchmarks.soak --start --clients 30 --minutes 10 --name small     # starts config.small.yaml
+    python -m benchmarks.soak --url http://127.0.0.1:8000 --grpc 127.0.0.1:9000  # a running `serve run`
+
+N closed-loop clients each pick their next request at random (seeded) among: HTTP completions and chat,
+streamed and whole; gRPC Generate and GenerateStream; streams cancelled after their first chunk (the
+HTTP client disconnects, the gRPC call is cancelled); bad input (HTTP must answer 400 with the field
+named, gRPC INVALID_ARGUMENT). Overload answers (HTTP 429/503, RESOURCE_EXHAUSTED) are expected kinds:
+a client backs off for the Retry-After it was given. Everything else is an unexpected error.
+
+Reported (results.json, results.md under benchmarks/results/soak-<name>/): requests by kind, outcomes
+(expected vs unexpected, by status), latency p50/p99 by kind, each Ray actor's resident memory (RSS of
+its pid, read through Ray's state API and psutil; only for actors on this machine) after a warm-up and
+at the end, and the KV sessions still open in each actor once the clients stopped (must be 0).
+Not part of the default test run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import sys
+import time
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks import report
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUNT(*) FROM users WHERE",
+           "東京は日本の首都で、", "Once upon a time, in a small village,", "import numpy as np\n\ndef normalize("]
+# kind -> weight: the mix each client draws from
+MIX = {"http_completion": 2, "http_completion_stream": 2, "http_chat": 1, "http_chat_stream": 1,
+       "grpc_unary": 2, "grpc_stream": 2, "http_cancel": 1, "grpc_cancel": 1, "http_bad": 1, "grpc_bad": 1}
+OVERLOAD_HTTP = {429, 503}
+
+
+@dataclass
+class Outcome:
+    kind: str
+    status: str  # "ok", or what came back: "HTTP 400", "INVALID_ARGUMENT", "timeout", ...
+    expected: bool
+    seconds: float
+    detail: str = ""
+
+
+# --- bad input: each case names the field the error must name ------------------------------------------
+
+def bad_http_bodies(model: str) -> list[tuple[str, dict | bytes]]:
+    good = {"model": model, "prompt": "hi", "max_tokens": 4}
+    cases = [("max_tokens", {"max_tokens": 0}), ("max_tokens", {"max_tokens": 10**9}), ("temperature", {"temperature": -1}),
+             ("top_p", {"top_p": 0}), ("top_k", {"top_k": -1}), ("prompt", {"prompt": ""}), ("model", {"model": "nope"}),
+             ("hetspec.algorithm", {"hetspec": {"algorithm": "magic"}}), ("algorithm", {"hetspec": {"algorithm": "sd"}}),
+             ("stop", {"stop": ["x"] * 17}), ("colour", {"colour": "red"}), ("prompt", {"prompt": "a\ud800b"}),
+             ("prompt", {"prompt": "word " * 5000})]
+    return [(field, {**good, **change}) for field, change in cases] + [("body", b'{"model": '), ("body", b"\xff\xfe")]
+
+
+def bad_grpc_requests():
+    from protos.hetspec.v1 import hetspec_pb2 as pb
+
+    return [("prompt", pb.GenerateRequest(prompt="")), ("max_new_tokens", pb.GenerateRequest(prompt="hi", max_new_tokens=0)),
+            ("temperature", pb.GenerateRequest(prompt="hi", temperature=math.nan)),
+            ("top_p", pb.GenerateRequest(prompt="hi", top_p=1.5)), ("algorithm", pb.GenerateRequest(prompt="hi", algorithm="magic")),
+            ("draft_tokens", pb.GenerateRequest(prompt="hi", draft_tokens=65)), ("stop", pb.GenerateRequest(prompt="hi", stop=[""])),
+            ("request", b"\x0a\x02\xff\xfe")]  # not UTF-8: raw bytes no client library sends
+
+
+# --- the clients ------------------------------------------------------------------------------------------
+
+class Traffic:
+    def __init__(self, http, grpc_channel, model: str, max_new_tokens: int, cancel_tokens: int, timeout: float,
+                 metadata=None):
+        from protos.hetspec.v1 import hetspec_pb2_grpc
+
+        self.http, self.channel, self.model = http, grpc_channel, model
+        self.stub = hetspec_pb2_grpc.HetSpecStub(grpc_channel)
+        self.raw_generate = grpc_channel.unary_unary("/hetspec.v1.HetSpec/Generate", request_serializer=lambda raw: raw,
+                                                     response_deserializer=lambda raw: raw)
+        self.max_new_tokens, self.timeout, self.metadata = max_new_tokens, timeout, metadata
+        self.cancel_tokens = cancel_tokens  # a stream to cancel asks for more, so it is still running
+        self.bad_http, self.bad_grpc = bad_http_bodies(model), bad_grpc_requests()
+
+    def _body(self, rng: random.Random, chat: bool, stream: bool) -> dict:
+        prompt = rng.choice(PROMPTS)
+        body = {"model": self.model, "max_tokens": self.max_new_tokens, "temperature": rng.choice([0, 0.8]),
+                "seed": rng.randrange(1000), "stream": stream}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return body
+
+    async def run(self, kind: str, rng: random.Random) -> Outcome:
+        started = time.perf_counter()
+        try:
+            status, expected, detail = await asyncio.wait_for(getattr(self, kind)(rng), self.timeout)
+        except asyncio.TimeoutError:
+            status, expected, detail = "timeout", False, f"no answer in {self.timeout} s"
+        except Exception as error:  # noqa: BLE001 -- the soak reports every failure, it does not stop
+            status, expected, detail = type(error).__name__, False, str(error)[:300]
+        return Outcome(kind, status, expected, time.perf_counter() - started, detail)
+
+    # each method returns (status, expected, detail)
+
+    async def _http_whole(self, body: dict):
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        response = await self.http.post(route, json=body)
+        if response.status_code == 200:
+            choice = response.json()["choices"][0]
+            return ("ok", True, "") if choice["finish_reason"] in ("stop", "length") else ("no finish", False, "")
+        return _http_error(response.status_code, response.text)
+
+    async def _http_stream(self, body: dict, cancel: bool):
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        async with self.http.stream("POST", route, json=body) as response:
+            if response.status_code != 200:
+                return _http_error(response.status_code, (await response.aread()).decode(errors="replace"))
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if cancel:
+                    return "cancelled", True, ""  # leaving the block closes the connection mid-stream
+                if line == "data: [DONE]":
+                    return "ok", True, ""
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    error = event["error"]
+                    return f"stream {error.get('code') or error.get('type')}", error.get("code") == "overloaded", \
+                        error.get("message", "")[:300]
+        return "stream cut", False, "no [DONE]"
+
+    async def http_completion(self, rng):
+        return await self._http_whole(self._body(rng, chat=False, stream=False))
+
+    async def http_chat(self, rng):
+        return await self._http_whole(self._body(rng, chat=True, stream=False))
+
+    async def http_completion_stream(self, rng):
+        return await self._http_stream(self._body(rng, chat=False, stream=True), cancel=False)
+
+    async def http_chat_stream(self, rng):
+        return await self._http_stream(self._body(rng, chat=True, stream=True), cancel=False)
+
+    async def http_cancel(self, rng):
+        body = {**self._body(rng, chat=False, stream=True), "max_tokens": self.cancel_tokens}
+        return await self._http_stream(body, cancel=True)
+
+    async def http_bad(self, rng):
+        field, body = rng.choice(self.bad_http)
+        route = "/v1/completions"
+        if isinstance(body, bytes):
+            response = await self.http.post(route, content=body, headers={"content-type": "application/json"})
+        else:
+            response = await self.http.post(route, json=body)
+        if response.status_code == 400:
+            param = response.json()["error"]["param"]
+            return ("HTTP 400", True, "") if param == field else ("HTTP 400 wrong param", False, f"{param} != {field}")
+        return _http_error(response.status_code, response.text, wanted=f"400 naming {field}")
+
+    def _grpc_request(self, rng: random.Random):
+        from protos.hetspec.v1 import hetspec_pb2 as pb
+
+        return pb.GenerateRequest(prompt=rng.choice(PROMPTS), max_new_tokens=self.max_new_tokens,
+                                  temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1000))
+
+    async def grpc_unary(self, rng):
+        import grpc
+
+        try:
+            response = await self.stub.Generate(self._grpc_request(rng), metadata=self.metadata)
+        except grpc.aio.AioRpcError as error:
+            return _grpc_error(error)
+        return ("ok", True, "") if response.finish_reason in ("stop", "length") else ("no finish", False, "")
+
+    async def grpc_stream(self, rng, cancel: bool = False):
+        import grpc
+
+        request = self._grpc_request(rng)
+        if cancel:
+            request.max_new_tokens = self.cancel_tokens
+        call = self.stub.GenerateStream(request, metadata=self.metadata)
+        try:
+            async for response in call:
+                if cancel:
+                    call.cancel()
+                    return "cancelled", True, ""
+                if response.finish_reason:
+                    return "ok", True, ""
+        except grpc.aio.AioRpcError as error:
+            return _grpc_error(error)
+        return "stream cut", False, "no finish_reason"
+
+    async def grpc_cancel(self, rng):
+        return await self.grpc_stream(rng, cancel=True)
+
+    async def grpc_bad(self, rng):
+        import grpc
+
+        field, request = rng.choice(self.bad_grpc)
+        try:
+            if isinstance(request, bytes):
+                await self.raw_generate(request, metadata=self.metadata)
+            else:
+                await self.stub.Generate(request, metadata=self.metadata)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                named = (error.details() or "").startswith(f"{field}:")
+                return ("INVALID_ARGUMENT", True, "") if named else ("INVALID_ARGUMENT wrong field", False,
+                                                                      error.details())
+            return _grpc_error(error, wanted=f"INVALID_ARGUMENT naming {field}")
+        return "accepted", False, f"bad {field} was served"
+
+
+def _http_error(code: int, text: str, wanted: str = "200"):
+    return f"HTTP {code}", code in OVERLOAD_HTTP, f"wanted {wanted}: {text[:300]}"
+
+
+def _grpc_error(error, wanted: str = "OK"):
+    import grpc
+
+    return error.code().name, error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, \
+        f"wanted {wanted}: {(error.details() or '')[:300]}"
+
+
+async def run_clients(traffic: Traffic, clients: int, seconds: float, seed: int) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    stop_at = time.monotonic() + seconds
+    kinds, weights = list(MIX), list(MIX.values())
+
+    async def client(index: int) -> None:
+        rng = random.Random(seed * 1000 + index)
+        while time.monotonic() < stop_at:
+            outcome = await traffic.run(rng.choices(kinds, weights)[0], rng)
+            outcomes.append(outcome)
+            if outcome.expected and outcome.status in ("HTTP 429", "HTTP 503", "RESOURCE_EXHAUSTED"):
+                await asyncio.sleep(1.0)  # back off as a well-behaved client does
+
+    async def progress() -> None:
+        while time.monotonic() < stop_at:
+            await asyncio.sleep(30)
+            bad = sum(not outcome.expected for outcome in outcomes)
+            print(f"  {len(outcomes)} requests, {bad} unexpected, {max(0, stop_at - time.monotonic()):.0f} s left",
+                  file=sys.stderr, flush=True)
+
+    reporter = asyncio.ensure_future(progress())
+    await asyncio.gather(*(client(index) for index in range(clients)))
+    reporter.cancel()
+    return outcomes
+
+
+# --- the server's side: actor memory and open sessions ----------------------------------------------------
+
+def actor_memory() -> dict[str, dict] | None:
+    """RSS of every live Ray actor on this machine, by actor name; None when no Ray cluster is reachable."""
+    try:
+        import psutil
+        import ray
+        from ray.util.state import list_actors
+
+        if not ray.is_initialized():
+            ray.init(address="auto", log_to_driver=False)
+        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    except Exception as error:  # noqa: BLE001 -- memory is reported as unavailable, the soak still counts
+        print(f"actor memory unavailable: {error}", file=sys.stderr)
+        return None
+    memory = {}
+    for actor in actors:
+        name = f"{actor.class_name}:{actor.actor_id[:8]}"
+        try:
+            memory[name] = {"pid": actor.pid, "rss_mib": psutil.Process(actor.pid).memory_info().rss / 2**20}
+        except (psutil.Error, TypeError):
+            memory[name] = {"pid": actor.pid, "rss_mib": None}  # on another machine
+    return memory
+
+
+async def open_sessions(http, settle_seconds: float, polls_per_sweep: int = 4) -> dict:
+    """Each replica's /v1/stats once its requests are done (closing is asynchronous: poll, bounded).
+
+    A sweep polls a few times (Serve routes each poll to some replica); it ends when all it saw are idle.
+    """
+    deadline = time.monotonic() + settle_seconds
+    while True:
+        seen: dict[str, dict] = {}
+        for _ in range(polls_per_sweep):
+            stats = (await http.get("/v1/stats")).json()
+            seen[stats["replica"]] = stats
+        busy = [s for s in seen.values() if s["ongoing_requests"] or any(_sessions(s).values())]
+        if not busy or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    return {replica: {"ongoing_requests": stats["ongoing_requests"], "open_sessions": _sessions(stats),
+                      "outcomes": {k: v for k, v in stats.items() if k.endswith("_requests")}}
+            for replica, stats in seen.items()}
+
+
+def _sessions(stats: dict) -> dict:
+    return {role: stats[role].get("active_sessions", stats[role].get("error")) for role in ("target", "drafter")}
+
+
+# --- starting a server like the tests do -------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def started_server(config_path: Path):
+    """A private local Ray instance serving the config's application; shut down afterwards."""
+    import ray
+    import yaml
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    document = yaml.safe_load(config_path.read_text())
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private instance on 127.0.0.1 (see deployments/README.md)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    ray.init(address="local", log_to_driver=False)  # a new instance, never one already running here
+    try:
+        from deployments.app import build_app
+
+        http_port, grpc_port = _free_port(), _free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options=gRPCOptions(port=grpc_port,
+                                             grpc_servicer_functions=document["grpc_options"]["grpc_servicer_functions"]))
+        application = document["applications"][0]
+        serve.run(build_app(application["args"]), name=application["name"], route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{http_port}"
+        _wait_healthy(url, 600)
+        yield url, f"127.0.0.1:{grpc_port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _wait_healthy(url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s} s")
+        time.sleep(1)
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50_ms": None, "p99_ms": None}
+    return {"p50_ms": float(np.percentile(values, 50)) * 1000, "p99_ms": float(np.percentile(values, 99)) * 1000}
+
+
+def summarize(outcomes: list[Outcome], memory_start: dict | None, memory_end: dict | None, sessions: dict) -> dict:
+    by_kind: dict[str, dict] = {}
+    for kind in MIX:
+        mine = [outcome for outcome in outcomes if outcome.kind == kind]
+        statuses = Counter(outcome.status for outcome in mine)
+        by_kind[kind] = {"requests": len(mine), "statuses": dict(statuses),
+                         "unexpected": sum(not outcome.expected for outcome in mine),
+                         "latency": _percentiles([o.seconds for o in mine if o.expected])}
+    unexpected: dict[str, list[str]] = defaultdict(list)
+    for outcome in outcomes:
+        if not outcome.expected and len(unexpected[f"{outcome.kind} {outcome.status}"]) < 5:
+            unexpected[f"{outcome.kind} {outcome.status}"].append(outcome.detail)
+    memory = {}
+    for name in sorted(set(memory_start or {}) | set(memory_end or {})):
+        start = (memory_start or {}).get(name, {}).get("rss_mib")
+        end = (memory_end or {}).get(name, {}).get("rss_mib")
+        memory[name] = {"start_mib": start, "end_mib": end,
+                        "growth_mib": end - start if start is not None and end is not None else None}
+    leaked = sum(value for replica in sessions.values() for value in replica["open_sessions"].values()
+                 if isinstance(value, int))
+    return {"requests": len(outcomes), "unexpected_errors": sum(not o.expected for o in outcomes),
+            "expected_errors": Counter(o.status for o in outcomes if o.expected and o.status not in ("ok",)),
+            "served_ok": sum(o.status == "ok" for o in outcomes), "by_kind": by_kind,
+            "unexpected_examples": dict(unexpected), "memory": memory, "sessions_after": sessions,
+            "sessions_leaked": leaked}
+
+
+def markdown(result: dict) -> str:
+    meta, settings, summary = result["meta"], result["settings"], result["summary"]
+
+    def number(value, digits=0):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"# hetspec soak: {settings['name']}", "",
+             f"- {settings['clients']} clients for {settings['seconds'] / 60:.1f} min against {settings['url']} / "
+             f"{settings['grpc']} (model {settings['model']}), {settings['max_new_tokens']} new tokens per request",
+             f"- machine {meta['machine']['cpu_model']}, {meta['machine']['cpu_cores']} cores, load average at start "
+             f"{meta['machine']['load_average']}; date {meta['date']}, commit {meta['git_commit']}",
+             f"- command: `{meta['command']}`", "",
+             f"**{summary['requests']} requests, {summary['served_ok']} served, {summary['unexpected_errors']} "
+             f"unexpected errors, {summary['sessions_leaked']} KV sessions leaked.**", ""]
+    if result.get("note"):
+        lines += [f"> {result['note']}", ""]
+    lines += ["| kind | requests | outcomes | unexpected | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
+    for kind, row in summary["by_kind"].items():
+        outcomes = ", ".join(f"{status} {count}" for status, count in sorted(row["statuses"].items()))
+        lines.append(f"| {kind} | {row['requests']} | {outcomes} | {row['unexpected']} | "
+                     f"{number(row['latency']['p50_ms'])} | {number(row['latency']['p99_ms'])} |")
+    lines += ["", "Latency: send to last byte of requests with an expected outcome (a cancelled stream: to its "
+              "first chunk).", "", "| actor | RSS after warm-up MiB | RSS at end MiB | growth MiB |", "|---|---|---|---|"]
+    for name, row in summary["memory"].items():
+        lines.append(f"| {name} | {number(row['start_mib'])} | {number(row['end_mib'])} | {number(row['growth_mib'])} |")
+    lines += ["", "| replica | open sessions after the run | ongoing requests | replica's request outcomes |",
+              "|---|---|---|---|"]
+    for replica, row in summary["sessions_after"].items():
+        lines.append(f"| {replica} | {row['open_sessions']} | {row['ongoing_requests']} | {row['outcomes']} |")
+    if summary["unexpected_examples"]:
+        lines += ["", "Unexpected errors (up to 5 examples each):", ""]
+        for key, details in summary["unexpected_examples"].items():
+            lines.append(f"- {key}: {details}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--start", action="store_true", help="start a private Ray instance serving --config")
+    where.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of a running server's HTTP proxy")
+    parser.add_argument("--grpc", default="127.0.0.1:9000", help="host:port of its gRPC proxy (ignored with --start)")
+    parser.add_argument("--config", type=Path, default=REPO / "deployments" / "config.small.yaml",
+                        help="Serve config started by --start")
+    parser.add_argument("--application", help="Serve application name, sent as gRPC 'application' metadata")
+    parser.add_argument("--clients", type=int, default=30)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--cancel-tokens", type=int, default=64, help="max_new_tokens of the streams cancelled")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    parser.add_argument("--settle", type=float, default=60.0, help="seconds to wait for sessions to close")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="soak", help="names the result folder: soak-<name>")
+    parser.add_argument("--note", default="")
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
+    import grpc
+    import httpx
+
+    limits = httpx.Limits(max_connections=args.clients * 2, max_keepalive_connections=args.clients)
+    metadata = (("application", args.application),) if args.application else None
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as http:
+        async with grpc.aio.insecure_channel(grpc_target) as channel:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            traffic = Traffic(http, channel, model, args.max_new_tokens, args.cancel_tokens, args.timeout, metadata)
+            warmup = [await traffic.run(kind, random.Random(args.seed)) for kind in MIX]  # every kind once
+            memory_start = await asyncio.to_thread(actor_memory)
+            print(f"soak: {args.clients} clients for {args.minutes} min on {url} / {grpc_target}", file=sys.stderr)
+            outcomes = await run_clients(traffic, args.clients, args.minutes * 60, args.seed)
+            sessions = await open_sessions(http, args.settle)
+            memory_end = await asyncio.to_thread(actor_memory)
+            health = (await http.get("/health")).status_code
+    summary = summarize(outcomes, memory_start, memory_end, sessions)
+    summary["warmup"] = [{"kind": outcome.kind, "status": outcome.status, "expected": outcome.expected,
+                          "detail": outcome.detail} for outcome in warmup]
+    summary["health_after"] = health
+    return {"settings": {"name": args.name, "url": url, "grpc": grpc_target, "model": model, "clients": args.clients,
+                         "seconds": args.minutes * 60, "max_new_tokens": args.max_new_tokens, "mix": MIX,
+                         "seed": args.seed}, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    meta = report.provenance(argv, "server", module="benchmarks.soak")
+    if args.start:
+        with started_server(args.config) as (url, grpc_target):
+            result = asyncio.run(soak(args, url, grpc_target))
+    else:
+        result = asyncio.run(soak(args, args.url.rstrip("/"), args.grpc))
+    result = {"meta": meta, "note": args.note, **result}
+    folder = args.out or RESULTS_DIR / f"soak-{args.name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (folder / "results.md").write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
