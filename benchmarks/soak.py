@@ -6,8 +6,9 @@
 N closed-loop clients each pick their next request at random (seeded) among: HTTP completions and chat,
 streamed and whole; gRPC Generate and GenerateStream; streams cancelled after their first chunk (the
 HTTP client disconnects, the gRPC call is cancelled); bad input (HTTP must answer 400 with the field
-named, gRPC INVALID_ARGUMENT). Overload answers (HTTP 429/503, RESOURCE_EXHAUSTED) are expected kinds:
-a client backs off for the Retry-After it was given. Everything else is an unexpected error.
+named, gRPC INVALID_ARGUMENT). A loaded server's designed answers are expected kinds, reported by
+status: overloaded (HTTP 429, RESOURCE_EXHAUSTED; the client backs off 1 s) and past the server's request
+timeout (HTTP 408, DEADLINE_EXCEEDED). Everything else is an unexpected error.
 
 Reported (results.json, results.md under benchmarks/results/soak-<name>/): requests by kind, outcomes
 (expected vs unexpected, by status), latency p50/p99 by kind, each Ray actor's resident memory (RSS of
@@ -43,7 +44,11 @@ PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUN
 # kind -> weight: the mix each client draws from
 MIX = {"http_completion": 2, "http_completion_stream": 2, "http_chat": 1, "http_chat_stream": 1,
        "grpc_unary": 2, "grpc_stream": 2, "http_cancel": 1, "grpc_cancel": 1, "http_bad": 1, "grpc_bad": 1}
-OVERLOAD_HTTP = {429, 503}
+# Answers a loaded server is designed to give: overloaded (the client backs off) or past its request timeout.
+EXPECTED_HTTP = {429, 408}
+EXPECTED_GRPC = {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+EXPECTED_STREAM_CODES = {"server_busy", "request_timeout"}
+BACK_OFF = {"HTTP 429", "RESOURCE_EXHAUSTED"}
 
 
 @dataclass
@@ -137,8 +142,8 @@ class Traffic:
                 event = json.loads(line[len("data: "):])
                 if "error" in event:
                     error = event["error"]
-                    return f"stream {error.get('code') or error.get('type')}", error.get("code") == "overloaded", \
-                        error.get("message", "")[:300]
+                    return f"stream {error.get('code') or error.get('type')}", \
+                        error.get("code") in EXPECTED_STREAM_CODES, error.get("message", "")[:300]
         return "stream cut", False, "no [DONE]"
 
     async def http_completion(self, rng):
@@ -224,14 +229,11 @@ class Traffic:
 
 
 def _http_error(code: int, text: str, wanted: str = "200"):
-    return f"HTTP {code}", code in OVERLOAD_HTTP, f"wanted {wanted}: {text[:300]}"
+    return f"HTTP {code}", code in EXPECTED_HTTP, f"wanted {wanted}: {text[:300]}"
 
 
 def _grpc_error(error, wanted: str = "OK"):
-    import grpc
-
-    return error.code().name, error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, \
-        f"wanted {wanted}: {(error.details() or '')[:300]}"
+    return error.code().name, error.code().name in EXPECTED_GRPC, f"wanted {wanted}: {(error.details() or '')[:300]}"
 
 
 async def run_clients(traffic: Traffic, clients: int, seconds: float, seed: int) -> list[Outcome]:
@@ -244,8 +246,8 @@ async def run_clients(traffic: Traffic, clients: int, seconds: float, seed: int)
         while time.monotonic() < stop_at:
             outcome = await traffic.run(rng.choices(kinds, weights)[0], rng)
             outcomes.append(outcome)
-            if outcome.expected and outcome.status in ("HTTP 429", "HTTP 503", "RESOURCE_EXHAUSTED"):
-                await asyncio.sleep(1.0)  # back off as a well-behaved client does
+            if outcome.status in BACK_OFF:
+                await asyncio.sleep(1.0)  # back off as a well-behaved client does (the configs' retry_after_s)
 
     async def progress() -> None:
         while time.monotonic() < stop_at:
@@ -443,6 +445,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=REPO / "deployments" / "config.small.yaml",
                         help="Serve config started by --start")
     parser.add_argument("--application", help="Serve application name, sent as gRPC 'application' metadata")
+    parser.add_argument("--api-key", default=os.environ.get("HETSPEC_API_KEY"),
+                        help="the server's API key (default: $HETSPEC_API_KEY)")
     parser.add_argument("--clients", type=int, default=30)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -461,11 +465,16 @@ async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=args.clients * 2, max_keepalive_connections=args.clients)
-    metadata = (("application", args.application),) if args.application else None
-    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as http:
+    metadata = (("application", args.application),) if args.application else ()
+    headers = {}
+    if args.api_key:
+        metadata += (("authorization", f"Bearer {args.api_key}"),)
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits, headers=headers) as http:
         async with grpc.aio.insecure_channel(grpc_target) as channel:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
-            traffic = Traffic(http, channel, model, args.max_new_tokens, args.cancel_tokens, args.timeout, metadata)
+            traffic = Traffic(http, channel, model, args.max_new_tokens, args.cancel_tokens, args.timeout,
+                              metadata or None)
             warmup = [await traffic.run(kind, random.Random(args.seed)) for kind in MIX]  # every kind once
             memory_start = await asyncio.to_thread(actor_memory)
             print(f"soak: {args.clients} clients for {args.minutes} min on {url} / {grpc_target}", file=sys.stderr)
