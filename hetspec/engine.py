@@ -227,7 +227,7 @@ class Engine:
             raise ValueError("prompt must not be empty")
         return model.encode_prompt(prompt)
 
-    def stream(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+    def stream(self, prompt: str | None = None, params: SamplingParams | dict | None = None, *,
                messages: list[dict[str, str]] | None = None,
                speculation: SpeculationConfig | None = None) -> Iterator[StreamEvent]:
         # a plain dict is accepted too, validated here: a ValidationError names the field
@@ -276,7 +276,7 @@ class Engine:
             if drafter_side is not None:
                 drafter_side.release()
 
-    def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+    def generate(self, prompt: str | None = None, params: SamplingParams | dict | None = None, *,
                  messages: list[dict[str, str]] | None = None,
                  speculation: SpeculationConfig | None = None) -> GenerationResult:
         token_ids: list[int] = []
