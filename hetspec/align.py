@@ -126,7 +126,11 @@ class DrafterContext:
         while anchor and complete_utf8_length(committed[:self.ends[anchor - 1]]) != self.ends[anchor - 1]:
             anchor -= 1  # a byte token ends inside a character there: re-tokenize from a character boundary
         anchor_offset = self.ends[anchor - 1] if anchor else 0
-        encoded = self.encode(committed[anchor_offset:].decode("utf-8")) if anchor_offset < len(committed) else []
+        # Sampling can commit bytes that are not UTF-8 (a byte token where no character continues): the drafter
+        # then reads U+FFFD there. Only its context differs from the committed bytes (ends are pinned below),
+        # and a draft is only a proposal that the target verifies, so this stays lossless.
+        text = committed[anchor_offset:].decode("utf-8", errors="replace")
+        encoded = self.encode(text) if anchor_offset < len(committed) else []
         agreeing = 0
         while (agreeing < min(len(encoded), keep - anchor)
                and encoded[agreeing] == self.generated_ids[anchor + agreeing]):

@@ -170,3 +170,28 @@ def test_real_vocabularies(gemma, smollm):
         assert gemma_table[int(mapping[index])] == smollm_table[index]
     assert not vocab.same_vocabulary(gemma.tokenizer, smollm.tokenizer)
     assert vocab.same_vocabulary(gemma.tokenizer, gemma.tokenizer)
+
+
+@pytest.mark.real
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=st.binary(max_size=12), second=st.binary(max_size=12))
+def test_real_drafter_sync_takes_bytes_that_are_not_utf8(gemma, smollm, first, second):
+    """Sampling can commit a byte token where no character continues (the soak met b'...\\xb5...'): the
+    drafter's re-sync raised UnicodeDecodeError (an HTTP 500); now it reads U+FFFD there."""
+    for model in (gemma, smollm):
+        table = vocab.token_bytes(model.tokenizer)
+        context = DrafterContext(prompt_ids=model.encode_prompt("Hi"), table=table, encode=model.encode, window=4)
+        context.sync(b"ab" + first)
+        context.sync(b"ab" + first + second)
+        assert context.text_length == len(b"ab" + first + second) or not context.generated_ids
+
+
+@pytest.mark.real
+def test_real_slem_proposes_the_utf8_text_before_invalid_bytes(gemma, smollm):
+    from hetspec import SamplingParams, SpeculationConfig
+    from hetspec.algorithms import Draft, PairMaps, make_algorithm
+
+    slem = make_algorithm("slem", PairMaps(smollm, gemma), SpeculationConfig(), SamplingParams())
+    committed = gemma.encode_prompt("The capital of France is")
+    aligned = slem.align(Draft(text=b" Paris\xb5 and"), committed)  # was a UnicodeDecodeError
+    assert b"".join(vocab.token_bytes(gemma.tokenizer)[token] for token in aligned.candidates) == b" Paris"

@@ -118,11 +118,19 @@ class StringLevelExactMatch(Algorithm):
         encode = partial(target_candidates, self.maps.encode_target, self.maps.target_table, committed_target_ids,
                          window=self.speculation.alignment_window)
         if draft.text:
-            draft.candidates = encode(new_text=draft.text.decode("utf-8"))
+            draft.candidates = encode(new_text=_utf8_prefix(draft.text))
         elif draft.texts:
-            tree = trie(encode(new_text=text.decode("utf-8")) for text in draft.texts)
+            tree = trie(encode(new_text=_utf8_prefix(text)) for text in draft.texts)
             if tree.parents == list(range(-1, len(tree) - 1)):  # one branch: verify it as a chain
                 draft.candidates = tree.tokens
             else:
                 draft.tree = tree
         return draft
+
+
+def _utf8_prefix(data: bytes) -> str:
+    """The text before the first bytes that are not UTF-8 (a sampled drafter byte token can leave such)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return data[:error.start].decode("utf-8")
