@@ -164,11 +164,9 @@ class Traffic:
 
     async def http_bad(self, rng):
         field, body = rng.choice(self.bad_http)
-        route = "/v1/completions"
-        if isinstance(body, bytes):
-            response = await self.http.post(route, content=body, headers={"content-type": "application/json"})
-        else:
-            response = await self.http.post(route, json=body)
+        # serialized here: httpx's json= cannot encode a lone surrogate, json.dumps escapes it (\\ud800)
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = await self.http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
         if response.status_code == 400:
             param = response.json()["error"]["param"]
             return ("HTTP 400", True, "") if param == field else ("HTTP 400 wrong param", False, f"{param} != {field}")
@@ -236,7 +234,9 @@ def _grpc_error(error, wanted: str = "OK"):
     return error.code().name, error.code().name in EXPECTED_GRPC, f"wanted {wanted}: {(error.details() or '')[:300]}"
 
 
-async def run_clients(traffic: Traffic, clients: int, seconds: float, seed: int) -> list[Outcome]:
+async def run_clients(traffic: Traffic, clients: int, seconds: float, seed: int,
+                      memory_samples: list[dict] | None = None) -> list[Outcome]:
+    """The clients' outcomes; every 30 s a progress line and (if ``memory_samples``) each actor's RSS."""
     outcomes: list[Outcome] = []
     stop_at = time.monotonic() + seconds
     kinds, weights = list(MIX), list(MIX.values())
@@ -252,6 +252,10 @@ async def run_clients(traffic: Traffic, clients: int, seconds: float, seed: int)
     async def progress() -> None:
         while time.monotonic() < stop_at:
             await asyncio.sleep(30)
+            if memory_samples is not None:  # a leak grows steadily; warming allocators level off
+                memory = await asyncio.to_thread(actor_memory)
+                memory_samples.append({"seconds": round(seconds - (stop_at - time.monotonic())),
+                                       "rss_mib": {name: row["rss_mib"] for name, row in (memory or {}).items()}})
             bad = sum(not outcome.expected for outcome in outcomes)
             print(f"  {len(outcomes)} requests, {bad} unexpected, {max(0, stop_at - time.monotonic()):.0f} s left",
                   file=sys.stderr, flush=True)
@@ -380,7 +384,9 @@ def summarize(outcomes: list[Outcome], memory_start: dict | None, memory_end: di
         statuses = Counter(outcome.status for outcome in mine)
         by_kind[kind] = {"requests": len(mine), "statuses": dict(statuses),
                          "unexpected": sum(not outcome.expected for outcome in mine),
-                         "latency": _percentiles([o.seconds for o in mine if o.expected])}
+                         "latency": _percentiles([o.seconds for o in mine if o.status in ("ok", "cancelled")]),
+                         "rejected_latency": _percentiles([o.seconds for o in mine if o.expected
+                                                           and o.status not in ("ok", "cancelled")])}
     unexpected: dict[str, list[str]] = defaultdict(list)
     for outcome in outcomes:
         if not outcome.expected and len(unexpected[f"{outcome.kind} {outcome.status}"]) < 5:
@@ -416,15 +422,25 @@ def markdown(result: dict) -> str:
              f"unexpected errors, {summary['sessions_leaked']} KV sessions leaked.**", ""]
     if result.get("note"):
         lines += [f"> {result['note']}", ""]
-    lines += ["| kind | requests | outcomes | unexpected | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
+    lines += ["| kind | requests | outcomes | unexpected | served p50 ms | served p99 ms | refused p50 ms | "
+              "refused p99 ms |", "|---|---|---|---|---|---|---|---|"]
     for kind, row in summary["by_kind"].items():
         outcomes = ", ".join(f"{status} {count}" for status, count in sorted(row["statuses"].items()))
         lines.append(f"| {kind} | {row['requests']} | {outcomes} | {row['unexpected']} | "
-                     f"{number(row['latency']['p50_ms'])} | {number(row['latency']['p99_ms'])} |")
-    lines += ["", "Latency: send to last byte of requests with an expected outcome (a cancelled stream: to its "
-              "first chunk).", "", "| actor | RSS after warm-up MiB | RSS at end MiB | growth MiB |", "|---|---|---|---|"]
+                     f"{number(row['latency']['p50_ms'])} | {number(row['latency']['p99_ms'])} | "
+                     f"{number(row['rejected_latency']['p50_ms'])} | {number(row['rejected_latency']['p99_ms'])} |")
+    lines += ["", "Latency: send to last byte. Served: ok, or cancelled by the client (to its first chunk). Refused: "
+              "the expected answers (400 / INVALID_ARGUMENT for bad input, 429 / RESOURCE_EXHAUSTED, 408 / "
+              "DEADLINE_EXCEEDED).", "", "| actor | RSS after warm-up MiB | peak during the run MiB | RSS at end MiB | growth MiB |",
+              "|---|---|---|---|---|"]
     for name, row in summary["memory"].items():
-        lines.append(f"| {name} | {number(row['start_mib'])} | {number(row['end_mib'])} | {number(row['growth_mib'])} |")
+        lines.append(f"| {name} | {number(row['start_mib'])} | {number(row.get('peak_during_mib'))} | "
+                     f"{number(row['end_mib'])} | {number(row['growth_mib'])} |")
+    if summary.get("memory_samples"):
+        lines += ["", "RSS every 30 s (MiB), per actor: "
+                  + "; ".join(f"{name.split(':')[0]}: " + " ".join(number(sample['rss_mib'].get(name))
+                                                                for sample in summary["memory_samples"])
+                              for name in summary["memory"])]
     lines += ["", "| replica | open sessions after the run | ongoing requests | replica's request outcomes |",
               "|---|---|---|---|"]
     for replica, row in summary["sessions_after"].items():
@@ -478,11 +494,16 @@ async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
             warmup = [await traffic.run(kind, random.Random(args.seed)) for kind in MIX]  # every kind once
             memory_start = await asyncio.to_thread(actor_memory)
             print(f"soak: {args.clients} clients for {args.minutes} min on {url} / {grpc_target}", file=sys.stderr)
-            outcomes = await run_clients(traffic, args.clients, args.minutes * 60, args.seed)
+            memory_samples: list[dict] = []
+            outcomes = await run_clients(traffic, args.clients, args.minutes * 60, args.seed, memory_samples)
             sessions = await open_sessions(http, args.settle)
             memory_end = await asyncio.to_thread(actor_memory)
             health = (await http.get("/health")).status_code
     summary = summarize(outcomes, memory_start, memory_end, sessions)
+    summary["memory_samples"] = memory_samples
+    for name, row in summary["memory"].items():
+        during = [sample["rss_mib"].get(name) for sample in memory_samples]
+        row["peak_during_mib"] = max((value for value in during if value is not None), default=None)
     summary["warmup"] = [{"kind": outcome.kind, "status": outcome.status, "expected": outcome.expected,
                           "detail": outcome.detail} for outcome in warmup]
     summary["health_after"] = health
