@@ -40,7 +40,8 @@ from benchmarks import report
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUNT(*) FROM users WHERE",
-           "東京は日本の首都で、", "Once upon a time, in a small village,", "import numpy as np\n\ndef normalize("]
+           "東京は日本の首都で、", "Once upon a time, in a small village,",
+           "import numpy as np\n\ndef normalize("]
 # kind -> weight: the mix each client draws from
 MIX = {"http_completion": 2, "http_completion_stream": 2, "http_chat": 1, "http_chat_stream": 1,
        "grpc_unary": 2, "grpc_stream": 2, "http_cancel": 1, "grpc_cancel": 1, "http_bad": 1, "grpc_bad": 1}
@@ -64,9 +65,11 @@ class Outcome:
 
 def bad_http_bodies(model: str) -> list[tuple[str, dict | bytes]]:
     good = {"model": model, "prompt": "hi", "max_tokens": 4}
-    cases = [("max_tokens", {"max_tokens": 0}), ("max_tokens", {"max_tokens": 10**9}), ("temperature", {"temperature": -1}),
-             ("top_p", {"top_p": 0}), ("top_k", {"top_k": -1}), ("prompt", {"prompt": ""}), ("model", {"model": "nope"}),
-             ("hetspec.algorithm", {"hetspec": {"algorithm": "magic"}}), ("algorithm", {"hetspec": {"algorithm": "sd"}}),
+    cases = [("max_tokens", {"max_tokens": 0}), ("max_tokens", {"max_tokens": 10**9}),
+             ("temperature", {"temperature": -1}), ("top_p", {"top_p": 0}), ("top_k", {"top_k": -1}),
+             ("prompt", {"prompt": ""}), ("model", {"model": "nope"}),
+             ("hetspec.algorithm", {"hetspec": {"algorithm": "magic"}}),
+             ("algorithm", {"hetspec": {"algorithm": "sd"}}),  # sd needs one vocabulary
              ("stop", {"stop": ["x"] * 17}), ("colour", {"colour": "red"}), ("prompt", {"prompt": "a\ud800b"}),
              ("prompt", {"prompt": "word " * 5000})]
     return [(field, {**good, **change}) for field, change in cases] + [("body", b'{"model": '), ("body", b"\xff\xfe")]
@@ -75,10 +78,13 @@ def bad_http_bodies(model: str) -> list[tuple[str, dict | bytes]]:
 def bad_grpc_requests():
     from protos.hetspec.v1 import hetspec_pb2 as pb
 
-    return [("prompt", pb.GenerateRequest(prompt="")), ("max_new_tokens", pb.GenerateRequest(prompt="hi", max_new_tokens=0)),
+    return [("prompt", pb.GenerateRequest(prompt="")),
+            ("max_new_tokens", pb.GenerateRequest(prompt="hi", max_new_tokens=0)),
             ("temperature", pb.GenerateRequest(prompt="hi", temperature=math.nan)),
-            ("top_p", pb.GenerateRequest(prompt="hi", top_p=1.5)), ("algorithm", pb.GenerateRequest(prompt="hi", algorithm="magic")),
-            ("draft_tokens", pb.GenerateRequest(prompt="hi", draft_tokens=65)), ("stop", pb.GenerateRequest(prompt="hi", stop=[""])),
+            ("top_p", pb.GenerateRequest(prompt="hi", top_p=1.5)),
+            ("algorithm", pb.GenerateRequest(prompt="hi", algorithm="magic")),
+            ("draft_tokens", pb.GenerateRequest(prompt="hi", draft_tokens=65)),
+            ("stop", pb.GenerateRequest(prompt="hi", stop=[""])),
             ("request", b"\x0a\x02\xff\xfe")]  # not UTF-8: raw bytes no client library sends
 
 
@@ -166,7 +172,8 @@ class Traffic:
         field, body = rng.choice(self.bad_http)
         # serialized here: httpx's json= cannot encode a lone surrogate, json.dumps escapes it (\\ud800)
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        response = await self.http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+        response = await self.http.post("/v1/completions", content=content,
+                                        headers={"content-type": "application/json"})
         if response.status_code == 400:
             param = response.json()["error"]["param"]
             return ("HTTP 400", True, "") if param == field else ("HTTP 400 wrong param", False, f"{param} != {field}")
@@ -339,9 +346,9 @@ def started_server(config_path: Path):
         from deployments.app import build_app
 
         http_port, grpc_port = _free_port(), _free_port()
+        servicers = document["grpc_options"]["grpc_servicer_functions"]
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port},
-                    grpc_options=gRPCOptions(port=grpc_port,
-                                             grpc_servicer_functions=document["grpc_options"]["grpc_servicer_functions"]))
+                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=servicers))
         application = document["applications"][0]
         serve.run(build_app(application["args"]), name=application["name"], route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{http_port}"
@@ -431,7 +438,8 @@ def markdown(result: dict) -> str:
                      f"{number(row['rejected_latency']['p50_ms'])} | {number(row['rejected_latency']['p99_ms'])} |")
     lines += ["", "Latency: send to last byte. Served: ok, or cancelled by the client (to its first chunk). Refused: "
               "the expected answers (400 / INVALID_ARGUMENT for bad input, 429 / RESOURCE_EXHAUSTED, 408 / "
-              "DEADLINE_EXCEEDED).", "", "| actor | RSS after warm-up MiB | peak during the run MiB | RSS at end MiB | growth MiB |",
+              "DEADLINE_EXCEEDED).", "",
+              "| actor | RSS after warm-up MiB | peak during the run MiB | RSS at end MiB | growth MiB |",
               "|---|---|---|---|---|"]
     for name, row in summary["memory"].items():
         lines.append(f"| {name} | {number(row['start_mib'])} | {number(row.get('peak_during_mib'))} | "
