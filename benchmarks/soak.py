@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import report
+from deployments.client import wait_until_healthy
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -352,28 +353,13 @@ def started_server(config_path: Path):
         application = document["applications"][0]
         serve.run(build_app(application["args"]), name=application["name"], route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{http_port}"
-        _wait_healthy(url, 600)
+        wait_until_healthy(url, 600)
         yield url, f"127.0.0.1:{grpc_port}"
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
-
-
-def _wait_healthy(url: str, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s} s")
-        time.sleep(1)
 
 
 # --- the report ---------------------------------------------------------------------------------------------

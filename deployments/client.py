@@ -33,23 +33,33 @@ def _print_result(protocol: str, text: str, finish_reason: str, stats: dict) -> 
         print(f"  {name:24s} {value:.4g}" if isinstance(value, float) else f"  {name:24s} {value}")
 
 
-def wait(args) -> int:
+def wait_until_healthy(url: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Poll ``url``/health until it answers 200; TimeoutError (with the last answer) after ``timeout_s``."""
     import httpx
 
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + timeout_s
     last_error = "no answer yet"
-    while time.monotonic() < deadline:
+    while True:
         try:
-            response = httpx.get(f"{args.url}/health", timeout=10)
+            response = httpx.get(f"{url}/health", timeout=10)
             if response.status_code == 200:
-                print(f"healthy: {args.url}")
-                return 0
+                return
             last_error = f"HTTP {response.status_code}"
         except httpx.HTTPError as error:
             last_error = type(error).__name__
-        time.sleep(2)
-    print(f"error: {args.url}/health not healthy within {args.timeout} s ({last_error})", file=sys.stderr)
-    return 1
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health not healthy within {timeout_s} s ({last_error})")
+        time.sleep(poll_s)
+
+
+def wait(args) -> int:
+    try:
+        wait_until_healthy(args.url, args.timeout, poll_s=2)
+    except TimeoutError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"healthy: {args.url}")
+    return 0
 
 
 def grpc_call(args) -> int:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+
+from deployments.client import wait_until_healthy
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_CONFIG = REPO / "deployments" / "config.small.yaml"
@@ -53,21 +54,6 @@ class ServedApp:
     model_id: str
 
 
-def _wait_for_http(url: str, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s} s")
-        time.sleep(0.5)
-
-
 @contextmanager
 def serve_app(args: dict):
     """serve.run of build_app(args) on three simulated nodes (STRICT_SPREAD fits them); shut down afterwards."""
@@ -92,7 +78,7 @@ def serve_app(args: dict):
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=grpc_servicer_functions()))
         serve.run(build_app(args), name="hetspec", route_prefix="/", blocking=False)
-        _wait_for_http(f"http://127.0.0.1:{http_port}", timeout_s=300)
+        wait_until_healthy(f"http://127.0.0.1:{http_port}", timeout_s=300, poll_s=0.5)
         yield ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", args, args["model_id"])
     finally:
         try:
