@@ -10,6 +10,11 @@ token (TTFT), time per output token after the first (TPOT, one value per request
 (each streamed chunk's gap spread over the tokens it carries) as p50/p99, and the server's acceptance
 statistics. Pipelined vs not is a request option (``--pipelined on|off``); one vs two replicas, or
 another pair, is a change of the Serve config (benchmarks/README.md).
+
+``--library deployments/config.yaml`` also loads that config's pair in this process (``hetspec.Engine``,
+the library the server wraps) and, at concurrency 1, runs each request through it right before sending
+it to the server, so load drift hits both alike: the server's overhead is the ratio of the two times per
+output token over the same requests, reported with whether every output is the library's token for token.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class RequestTiming:
     seconds: float = 0.0  # request sent to last byte
     first_token_seconds: float | None = None
     tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     token_latencies: list[float] = field(default_factory=list)  # seconds per token, from chunk gaps
     stats: dict | None = None
     error: str | None = None
@@ -66,9 +72,11 @@ class ChunkClock:
         self.timing = timing
         self.started = self.last = time.perf_counter()
 
-    def chunk(self, tokens: int) -> None:
+    def chunk(self, token_ids: list[int]) -> None:
+        tokens = len(token_ids)
         if tokens <= 0:
             return
+        self.timing.token_ids.extend(token_ids)
         now = time.perf_counter()
         if self.timing.first_token_seconds is None:
             self.timing.first_token_seconds = now - self.started
@@ -106,7 +114,7 @@ async def http_request(client, model: str, prompt_id: str, prompt: str, options:
                 timing.error = body["error"].get("message", str(body["error"]))
                 continue
             extension = body.get("hetspec") or {}
-            clock.chunk(len(extension.get("token_ids", [])))
+            clock.chunk(list(extension.get("token_ids", [])))
             if extension.get("stats"):
                 timing.stats = extension["stats"]
     return clock.done()
@@ -133,7 +141,7 @@ async def grpc_request(stub, metadata, prompt_id: str, prompt: str, options: Req
     clock = ChunkClock(timing)
     try:
         async for response in stub.GenerateStream(grpc_request_message(prompt, options), metadata=metadata):
-            clock.chunk(len(response.token_ids))
+            clock.chunk(list(response.token_ids))
             if response.finish_reason and response.HasField("stats"):
                 timing.stats = MessageToDict(response.stats, preserving_proto_field_name=True)
     except grpc.aio.AioRpcError as error:
@@ -142,6 +150,68 @@ async def grpc_request(stub, metadata, prompt_id: str, prompt: str, options: Req
 
 
 Send = Callable[[str, str], Awaitable[RequestTiming]]
+
+
+class InProcess:
+    """A Serve config's pair in this process: what a request costs the library without the server."""
+
+    def __init__(self, config_path: Path, options: RequestOptions):
+        import yaml
+
+        from deployments.config import AppConfig
+        from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
+
+        document = yaml.safe_load(config_path.read_text())
+        config = AppConfig.model_validate(document["applications"][0]["args"])
+        # one process, one torch thread pool: the target's thread count (load_model sets it process-wide)
+        drafter = load_model(config.drafter.model, dtype=config.drafter.dtype, device=config.drafter.device,
+                             threads=config.target.threads, quantize=config.drafter.quantize)
+        target = load_model(config.target.model, dtype=config.target.dtype, device=config.target.device,
+                            threads=config.target.threads)
+        self.engine = Engine(target, drafter)
+        # the coordinator's rule for request overrides (deployments.coordinator.Coordinator.prepare)
+        overrides = {"algorithm": options.algorithm or None, "draft_tokens": options.draft_tokens}
+        overrides = {name: value for name, value in overrides.items() if value is not None}
+        if overrides.get("algorithm") not in (None, "slem", "auto"):
+            overrides["tree_width"] = 1
+        self.speculation = SpeculationConfig.model_validate({**config.speculation.model_dump(), **overrides})
+        self.params = SamplingParams(max_new_tokens=options.max_new_tokens, temperature=options.temperature)
+        self.threads = config.target.threads
+
+    def request(self, prompt_id: str, prompt: str) -> RequestTiming:
+        timing = RequestTiming("library", prompt_id)
+        clock = ChunkClock(timing)
+        for event in self.engine.stream(prompt, self.params, speculation=self.speculation):
+            clock.chunk(event.token_ids)
+            if event.finish_reason:
+                timing.stats = event.stats.to_dict()
+        return clock.done()
+
+
+async def run_paired(send: Send, library: InProcess, prompts: list[tuple[str, str]],
+                     total_requests: int) -> tuple[list[RequestTiming], list[RequestTiming], float]:
+    """Concurrency 1, each request through the library then the server: (server timings, library's, wall)."""
+    timings, library_timings, wall = [], [], 0.0
+    for index in range(total_requests):
+        prompt_id, prompt = prompts[index % len(prompts)]
+        library_timings.append(library.request(prompt_id, prompt))  # blocks the loop: nothing else is in flight
+        started = time.perf_counter()
+        timings.append(await send(prompt_id, prompt))
+        wall += time.perf_counter() - started
+    return timings, library_timings, wall
+
+
+def overhead(timings: list[RequestTiming], library_timings: list[RequestTiming]) -> dict:
+    """The server against the library over the same requests: time per output token, prefill included."""
+    pairs = [(server, library) for server, library in zip(timings, library_timings) if server.error is None]
+    server_ms = 1000 * sum(s.seconds for s, _ in pairs) / max(1, sum(s.tokens for s, _ in pairs))
+    library_ms = 1000 * sum(lib.seconds for _, lib in pairs) / max(1, sum(lib.tokens for _, lib in pairs))
+    return {"library_ms_per_token": library_ms, "server_ms_per_token": server_ms,
+            "server_over_library": server_ms / library_ms if library_ms else None,
+            "library_tokens_per_second": 1000 / library_ms if library_ms else None,
+            "identical_tokens": all(s.token_ids == lib.token_ids for s, lib in pairs) and len(pairs) == len(timings),
+            "library_tokens_per_target_pass": float(np.mean([lib.stats["mean_accepted_per_pass"]
+                                                             for _, lib in pairs if lib.stats] or [0.0]))}
 
 
 async def run_load(send: Send, prompts: list[tuple[str, str]], concurrency: int,
@@ -207,6 +277,18 @@ def markdown(result: dict) -> str:
                      f"{number(row['tpot_ms']['p50'])} | {number(row['tpot_ms']['p99'])} | "
                      f"{number(row['token_latency_ms']['p50'])} | {number(row['token_latency_ms']['p99'])} | "
                      f"{number(row['acceptance_rate'], 2)} | {number(row['tokens_per_target_pass'], 2)} |")
+    paired = [row for row in result["levels"] if row.get("overhead")]
+    if paired:
+        lines += ["", "Server against the library in this process, concurrency 1, each request through both in turn "
+                  "(ms per output token, prefill included):", "",
+                  "| protocol | requests | library ms/token | server ms/token | server / library | library tok/s | "
+                  "library tokens/target pass | same tokens |", "|" + "---|" * 8]
+        for row in paired:
+            cost = row["overhead"]
+            lines.append(f"| {row['protocol']} | {row['requests']} | {cost['library_ms_per_token']:.1f} | "
+                         f"{cost['server_ms_per_token']:.1f} | {cost['server_over_library']:.3f} | "
+                         f"{cost['library_tokens_per_second']:.2f} | {cost['library_tokens_per_target_pass']:.2f} | "
+                         f"{'yes' if cost['identical_tokens'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -228,6 +310,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pipelined", choices=["on", "off"], help="per-request pipelining (default: server's)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured requests per protocol first")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request")
+    parser.add_argument("--library", type=Path, help="a Serve config (e.g. deployments/config.yaml): run its pair "
+                        "in this process too, before each concurrency-1 request, and report the server's overhead")
     parser.add_argument("--label", default="serve", help="names the result folder (e.g. pipelined-2replicas)")
     parser.add_argument("--note", default="")
     parser.add_argument("--out", type=Path)
@@ -240,8 +324,8 @@ async def first_model(client) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def run_protocols(args: argparse.Namespace, options: RequestOptions,
-                        prompts: list[tuple[str, str]]) -> tuple[list[dict], str | None]:
+async def run_protocols(args: argparse.Namespace, options: RequestOptions, prompts: list[tuple[str, str]],
+                        library: InProcess | None = None) -> tuple[list[dict], str | None]:
     import httpx
 
     levels, model = [], args.model
@@ -264,9 +348,17 @@ async def run_protocols(args: argparse.Namespace, options: RequestOptions,
             try:
                 for _ in range(args.warmup):
                     await send(*prompts[0])
+                    if library is not None:
+                        library.request(*prompts[0])
                 for concurrency in args.concurrency:
-                    timings, wall = await run_load(send, prompts, concurrency, args.requests)
-                    levels.append({**summarize_load(protocol, concurrency, timings, wall),
+                    level: dict = {}
+                    if library is not None and concurrency == 1:
+                        timings, library_timings, wall = await run_paired(send, library, prompts, args.requests)
+                        level = {"overhead": overhead(timings, library_timings),
+                                 "library_timings": [asdict(timing) for timing in library_timings]}
+                    else:
+                        timings, wall = await run_load(send, prompts, concurrency, args.requests)
+                    levels.append({**summarize_load(protocol, concurrency, timings, wall), **level,
                                    "timings": [asdict(timing) for timing in timings]})
                     print(f"{protocol} x{concurrency}: {levels[-1]['tokens_per_second']:.2f} tok/s, "
                           f"{levels[-1]['errors']} errors", file=sys.stderr)
@@ -283,11 +375,12 @@ def main(argv: list[str] | None = None) -> dict:
                              None if args.pipelined is None else args.pipelined == "on")
     prompts = [(case.prompt_id, case.text) for case in load_prompts(args.task, args.num_prompts)]
     meta = report.provenance(argv, "server", module="benchmarks.serve_bench")
-    levels, model = asyncio.run(run_protocols(args, options, prompts))
+    library = InProcess(args.library, options) if args.library else None
+    levels, model = asyncio.run(run_protocols(args, options, prompts, library))
     result = {"meta": meta, "note": args.note,
               "settings": {"label": args.label, "grpc": args.grpc, "http": args.http, "model": model,
                            "requests": args.requests, "max_new_tokens": args.max_new_tokens, "task": args.task,
-                           "options": asdict(options)},
+                           "options": asdict(options), "library": str(args.library) if args.library else None},
               "levels": levels}
     folder = args.out or RESULTS_DIR / f"serve-{args.label}-{datetime.datetime.now():%Y%m%d-%H%M}"
     folder.mkdir(parents=True, exist_ok=True)

@@ -194,3 +194,49 @@ def test_serve_bench_http_client_parses_openai_stream_and_errors():
     assert len(good.token_latencies) == 1
     assert sent[0]["stream"] is True and sent[0]["hetspec"] == {"algorithm": "tli", "pipelined": True}
     assert bad.error.startswith("HTTP 400") and bad.tokens == 0
+
+
+class _FakeLibrary:
+    def __init__(self):
+        self.prompts = []
+
+    def request(self, prompt_id, prompt):
+        from benchmarks.serve_bench import RequestTiming
+
+        self.prompts.append(prompt_id)
+        return RequestTiming("library", prompt_id, seconds=1.0, tokens=4, token_ids=[1, 2, 3, 4],
+                             stats={"mean_accepted_per_pass": 2.0})
+
+
+def test_serve_bench_pairs_each_request_with_the_library_and_reports_overhead():
+    from benchmarks.serve_bench import RequestTiming, overhead, run_paired
+
+    def server(ids):
+        async def send(prompt_id, prompt):
+            return RequestTiming("grpc", prompt_id, seconds=1.2, tokens=len(ids), token_ids=list(ids))
+        return send
+
+    library = _FakeLibrary()
+    timings, library_timings, wall = asyncio.run(run_paired(server([1, 2, 3, 4]), library,
+                                                            [("a", "x"), ("b", "y")], total_requests=3))
+    assert library.prompts == ["a", "b", "a"] and [t.prompt_id for t in timings] == ["a", "b", "a"]
+    cost = overhead(timings, library_timings)
+    assert cost["server_over_library"] == pytest.approx(1.2) and cost["library_ms_per_token"] == pytest.approx(250)
+    assert cost["identical_tokens"] and cost["library_tokens_per_target_pass"] == 2.0
+    timings, library_timings, _ = asyncio.run(run_paired(server([1, 2, 3, 5]), _FakeLibrary(), [("a", "x")], 2))
+    assert not overhead(timings, library_timings)["identical_tokens"]
+
+
+def test_serve_bench_in_process_runs_the_configs_pair_like_the_library():
+    from pathlib import Path
+
+    from benchmarks.serve_bench import InProcess
+    from hetspec import Engine
+
+    library = InProcess(Path(__file__).resolve().parent.parent / "deployments/config.small.yaml",
+                        RequestOptions(max_new_tokens=8, algorithm="tli", draft_tokens=3))
+    assert library.speculation.algorithm == "tli" and library.speculation.draft_tokens == 3
+    timing = library.request("p", "def add(a, b):")
+    assert timing.tokens == 8 and timing.stats["generated_tokens"] == 8 and timing.first_token_seconds > 0
+    reference = Engine(library.engine.target).generate("def add(a, b):", {"max_new_tokens": 8})
+    assert timing.token_ids == reference.token_ids
