@@ -242,3 +242,52 @@ def test_app_config_rejects_more_running_requests_than_sessions():
     with pytest.raises(ValidationError, match="max_running_requests"):
         AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"max_sessions": 4},
                                   "limits": {"max_running_requests": 8}})
+
+
+def _openmp_threads_here() -> int:
+    """OpenMP's thread count for the calling thread (what torch's CPU kernels use), from torch's libgomp."""
+    import ctypes
+
+    import torch
+
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    libraries = {path for path in Path("/proc/self/maps").read_text().split()
+                 if "libgomp" in path and path.startswith(torch_lib)}
+    assert len(libraries) == 1, "torch's CPU wheel ships its OpenMP runtime (libgomp)"
+    return ctypes.CDLL(libraries.pop()).omp_get_max_threads()
+
+
+def test_worker_runs_every_forward_on_one_thread_with_torch_thread_count(gemma):
+    """A Ray actor runs calls on a pool of threads; a new thread starts at OpenMP's default thread count, not
+    at torch.set_num_threads's, so the worker keeps all model work on one thread that it syncs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from deployments.workers import TargetWorker
+    from hetspec import SamplingParams, SpeculationConfig
+
+    fresh: list[int] = []
+    probe = threading.Thread(target=lambda: fresh.append(_openmp_threads_here()))
+    probe.start()
+    probe.join()
+    before, wanted = torch.get_num_threads(), fresh[0] + 1  # unlike what a fresh thread gets
+    torch.set_num_threads(wanted)
+    seen: list[tuple[str, int]] = []
+    hook = gemma.model.register_forward_pre_hook(
+        lambda module, args: seen.append((threading.current_thread().name, _openmp_threads_here())))
+    try:
+        worker = TargetWorker(gemma, AppConfig.model_validate(SMALL_PAIR).pipeline)
+        prompt_ids = gemma.encode_prompt("def add(a, b):")
+        with ThreadPoolExecutor(3) as callers:  # like an actor's pool: calls arrive on several threads
+            list(callers.map(lambda index: worker.open(f"r{index}", prompt_ids, "slem", SpeculationConfig(),
+                                                       SamplingParams()), range(3)))
+            results = list(callers.map(lambda index: worker.verify(f"r{index}", DraftMessage()), range(3)))
+        assert len({tuple(result.new_ids) for result in results}) == 1 and all(r.seconds > 0 for r in results)
+        assert len(seen) >= 3 and {name for name, _ in seen} == {"hetspec-target_0"}
+        assert {threads for _, threads in seen} == {wanted}
+        for index in range(3):
+            worker.close(f"r{index}")
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)
