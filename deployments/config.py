@@ -45,6 +45,9 @@ class PipelineConfig(StrictModel):
         "A KV session untouched this long is freed (a coordinator that died mid-request leaves no leak)."))
     actor_max_concurrency: int = Field(16, ge=1, le=1024, description=(
         "Calls one drafter or target actor runs at once (threads), so concurrent requests interleave."))
+    model_lanes: int = Field(2, ge=1, le=64, description=(
+        "Forward passes one drafter or target actor runs at once, each on its own thread; the model's CPU "
+        "threads are split among the passes running (one request alone gets them all)."))
 
 
 class AutoscalingConfig(StrictModel):

@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,6 +28,7 @@ from hetspec.tree import TokenTree
 
 from deployments.config import PipelineConfig
 from deployments.metrics import worker_metrics
+from deployments.model_threads import ModelThreads
 from deployments.sessions import Sessions
 
 log = logging.getLogger("hetspec.workers")
@@ -36,12 +36,6 @@ log = logging.getLogger("hetspec.workers")
 
 def _same(value: Any) -> Any:
     return value
-
-
-def _sync_torch_threads() -> None:
-    # OpenMP keeps the thread count per thread, and a new thread starts at OMP_NUM_THREADS (Ray sets it to
-    # the actor's num_cpus): torch.set_num_threads in the constructor's thread does not reach this one.
-    torch.set_num_threads(torch.get_num_threads())
 
 
 @dataclass
@@ -95,12 +89,9 @@ class _Worker:
 
     def __init__(self, model: ModelConfig | LanguageModel, pipeline: PipelineConfig, release: Callable[[Any], None]):
         self.model = _load(model)
-        # Every forward pass runs on this one thread. A Ray actor with max_concurrency runs calls on a pool of
-        # threads; model work spread over them ran each pass on one OpenMP thread team per pool thread, with
-        # the wrong size: the target's passes took ~15% longer than in a plain process (measured, 2 cores).
-        # Concurrent requests queue here for the model, as they would for the cores anyway.
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix=f"hetspec-{self.role}",
-                                           initializer=_sync_torch_threads)
+        # model work runs on these threads, not on the actor's call threads (deployments/model_threads.py)
+        self.model_threads = ModelThreads(f"hetspec-{self.role}", pipeline.model_lanes,
+                                          model.threads if isinstance(model, ModelConfig) else None)
         self.actor_id = uuid.uuid4().hex[:8]
         self.sessions: Sessions = Sessions(pipeline.max_sessions, pipeline.session_idle_timeout_s, release)
         self.sessions.start_sweeper(self._expired)
@@ -125,14 +116,6 @@ class _Worker:
     def stats(self) -> dict:
         return {"actor": self.actor_id, "model": self.model.name, "active_sessions": len(self.sessions),
                 "max_sessions": self.sessions.max_sessions, "calls_in_progress": self._calls}
-
-    def _on_model_thread(self, work: Callable[..., Any], *args) -> tuple[Any, float]:
-        """``work(*args)`` on the model thread: its result and its seconds there (not queued)."""
-        def timed() -> tuple[Any, float]:
-            started = time.perf_counter()
-            return work(*args), time.perf_counter() - started
-
-        return self._compute.submit(timed).result()
 
     def close(self, request_id: str) -> bool:
         closed = self.sessions.close(request_id)
@@ -184,7 +167,7 @@ class DrafterWorker(_Worker):
              params: SamplingParams) -> None:
         if self.maps is None:
             raise RuntimeError("attach_target must run before the drafter opens sessions")
-        side, _ = self._on_model_thread(DrafterSide, self.model, prompt_ids, speculation.alignment_window)
+        side, _ = self.model_threads.run(DrafterSide, self.model, prompt_ids, speculation.alignment_window)
         session = _DrafterSession(side, make_algorithm(algorithm, self.maps, speculation, params), params)
         self._open(request_id, session)
 
@@ -193,7 +176,7 @@ class DrafterWorker(_Worker):
         self._count_call(+1)
         try:
             with self.sessions.use(request_id) as session:
-                draft, seconds = self._on_model_thread(session.algorithm.draft, session.side, committed, k,
+                draft, seconds = self.model_threads.run(session.algorithm.draft, session.side, committed, k,
                                                        session.params, first_position)
                 draft_probs = self.store(draft.draft_probs) if draft.draft_probs is not None else None
                 return DraftMessage(candidates=draft.candidates, text=draft.text, texts=draft.texts,
@@ -221,7 +204,7 @@ class TargetWorker(_Worker):
     def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
              params: SamplingParams) -> None:
         # Verification reads only the algorithm's acceptance rule (``exact``): no vocabulary maps needed here.
-        session = _TargetSession(self._on_model_thread(TargetSide, self.model, prompt_ids)[0],
+        session = _TargetSession(self.model_threads.run(TargetSide, self.model, prompt_ids)[0],
                                  ALGORITHM_CLASSES[algorithm](None, speculation), params)
         self._open(request_id, session)
 
@@ -231,7 +214,7 @@ class TargetWorker(_Worker):
             with self.sessions.use(request_id) as session:
                 draft = Draft(candidates=message.candidates, draft_probs=self._draft_probs(message, session),
                               tree=message.tree)
-                new_ids, seconds = self._on_model_thread(session.side.verify, session.algorithm, draft,
+                new_ids, seconds = self.model_threads.run(session.side.verify, session.algorithm, draft,
                                                          session.params)
                 return VerifyResult(new_ids, seconds)
         finally:

@@ -246,20 +246,24 @@ def test_app_config_rejects_more_running_requests_than_sessions():
 
 def _openmp_threads_here() -> int:
     """OpenMP's thread count for the calling thread (what torch's CPU kernels use), from torch's libgomp."""
-    import ctypes
+    from deployments.model_threads import torch_openmp
 
-    import torch
-
-    torch_lib = str(Path(torch.__file__).parent / "lib")
-    libraries = {path for path in Path("/proc/self/maps").read_text().split()
-                 if "libgomp" in path and path.startswith(torch_lib)}
-    assert len(libraries) == 1, "torch's CPU wheel ships its OpenMP runtime (libgomp)"
-    return ctypes.CDLL(libraries.pop()).omp_get_max_threads()
+    openmp = torch_openmp()
+    assert openmp is not None, "torch's CPU wheel ships its OpenMP runtime (libgomp)"
+    return openmp.omp_get_max_threads()
 
 
-def test_worker_runs_every_forward_on_one_thread_with_torch_thread_count(gemma):
+def _fresh_thread_openmp() -> int:
+    seen: list[int] = []
+    probe = threading.Thread(target=lambda: seen.append(_openmp_threads_here()))
+    probe.start()
+    probe.join()
+    return seen[0]
+
+
+def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(gemma):
     """A Ray actor runs calls on a pool of threads; a new thread starts at OpenMP's default thread count, not
-    at torch.set_num_threads's, so the worker keeps all model work on one thread that it syncs."""
+    at torch.set_num_threads's, so the worker runs model work on threads of its own that it sizes."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -267,17 +271,14 @@ def test_worker_runs_every_forward_on_one_thread_with_torch_thread_count(gemma):
     from deployments.workers import TargetWorker
     from hetspec import SamplingParams, SpeculationConfig
 
-    fresh: list[int] = []
-    probe = threading.Thread(target=lambda: fresh.append(_openmp_threads_here()))
-    probe.start()
-    probe.join()
-    before, wanted = torch.get_num_threads(), fresh[0] + 1  # unlike what a fresh thread gets
+    before, wanted = torch.get_num_threads(), _fresh_thread_openmp() + 1  # unlike what a fresh thread gets
     torch.set_num_threads(wanted)
     seen: list[tuple[str, int]] = []
     hook = gemma.model.register_forward_pre_hook(
         lambda module, args: seen.append((threading.current_thread().name, _openmp_threads_here())))
     try:
-        worker = TargetWorker(gemma, AppConfig.model_validate(SMALL_PAIR).pipeline)
+        pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"model_lanes": 1}}).pipeline
+        worker = TargetWorker(gemma, pipeline)
         prompt_ids = gemma.encode_prompt("def add(a, b):")
         with ThreadPoolExecutor(3) as callers:  # like an actor's pool: calls arrive on several threads
             list(callers.map(lambda index: worker.open(f"r{index}", prompt_ids, "slem", SpeculationConfig(),
@@ -291,3 +292,32 @@ def test_worker_runs_every_forward_on_one_thread_with_torch_thread_count(gemma):
     finally:
         hook.remove()
         torch.set_num_threads(before)
+
+
+def test_model_threads_split_the_cpu_threads_among_the_calls_running():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.model_threads import ModelThreads
+
+    lanes = ModelThreads("lane", lanes=2, threads=4)
+    alone = lanes.run(lambda: (threading.current_thread().name, _openmp_threads_here()))[0]
+    assert alone[0].startswith("lane") and alone[1] == 4
+    first_started, second_done = threading.Event(), threading.Event()
+
+    def first() -> int:
+        first_started.set()
+        assert second_done.wait(10)  # holds its lane while the second call runs
+        return _openmp_threads_here()
+
+    def second() -> int:
+        try:
+            return _openmp_threads_here()
+        finally:
+            second_done.set()
+
+    with ThreadPoolExecutor(2) as callers:
+        first_share = callers.submit(lanes.run, first)
+        assert first_started.wait(10)
+        assert lanes.run(second)[0] == 2  # two calls running: half each
+        assert first_share.result()[0] == 4  # sized when it started alone
+    assert lanes.run(_openmp_threads_here)[0] == 4  # alone again: every thread
