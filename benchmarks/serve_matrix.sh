@@ -41,6 +41,11 @@ yaml.safe_dump(document, open(out, "w"), sort_keys=False)
 EOF
 }
 
+for port in 8000 9000; do  # a second `serve run` would start a second Ray whose actors take the cores
+  python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', $port))" 2>/dev/null \
+    || { echo "serve_matrix.sh: port $port is in use (another Serve?); stop it first" >&2; exit 1; }
+done
+
 set -m  # `serve run` in its own process group keeps SIGINT: Serve's own Ctrl-C shutdown
 SERVE_PID=""
 stop_serve() {
