@@ -128,3 +128,40 @@ def test_int8_drafter_changes_speed_never_the_output(gemma):
     assert result.token_ids == reference and result.stats.accepted_tokens > 0
     with pytest.raises(ValueError, match="CPU only"):
         load_model("smollm2-135m", quantize="int8", device="cuda")
+
+
+class _DrafterWanting:
+    """A drafter side whose every next token is ``token_id`` (the parts of DrafterSide a draft uses)."""
+
+    def __init__(self, token_id: int, vocab_size: int):
+        self.token_id, self.vocab_size, self.forwards, self.pushed = token_id, vocab_size, 0, []
+        self.context = self
+
+    def sync(self, committed: bytes) -> None:
+        pass
+
+    def push(self, token_id: int) -> None:
+        self.pushed.append(token_id)
+
+    def next_logits(self):
+        import torch
+
+        self.forwards += 1
+        return torch.full((self.vocab_size,), -10.0).index_fill_(0, torch.tensor([self.token_id]), 10.0)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)],
+                         ids=["greedy", "sampling"])
+def test_a_drafted_eos_ends_the_draft_as_its_last_candidate(smollm, params):
+    """Found by the same-vocabulary benchmark: SD crashed when the drafter proposed EOS (no bytes to spell)."""
+    from hetspec.algorithms import PairMaps, make_algorithm
+
+    maps = PairMaps(smollm, smollm)
+    eos = min(smollm.eos_token_ids)
+    assert maps.target_table[eos] is None
+    # SD's map is the identity, EOS included (TLI's byte intersection leaves EOS out: it never proposes it)
+    algorithm = make_algorithm("sd", maps, SpeculationConfig(algorithm="sd", draft_tokens=4), params)
+    drafter = _DrafterWanting(eos, smollm.vocab_size)
+    draft = algorithm.draft(drafter, b"Hello", 4, params, 0)
+    assert draft.candidates == [eos] and drafter.pushed == [] and drafter.forwards == 1
+    assert (draft.draft_probs is None) == params.greedy

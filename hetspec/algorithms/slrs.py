@@ -81,7 +81,10 @@ class StringLevelRejectionSampling(TokenLevelIntersection):
                 break
             candidates.append(target_id)
             rows.append(psi)
-            text += self.maps.target_table[target_id]
+            spelling = self.maps.target_table[target_id]
+            if spelling is None:  # a special token (no bytes): the target decides; nothing follows it
+                break
+            text += spelling
             if step + 1 < k and not self.feed(drafter, text, target_id):
                 break
         draft_probs = torch.stack(rows) if rows and not params.greedy else None

@@ -58,7 +58,10 @@ class TokenLevelIntersection(Algorithm):
             candidates.append(target_id)
             if not params.greedy:
                 rows.append(draft_probs)
-            text += self.maps.target_table[target_id]
+            spelling = self.maps.target_table[target_id]
+            if spelling is None:  # EOS or another special token: the target decides; nothing follows it
+                break
+            text += spelling
             if step + 1 < k and not self.feed(drafter, text, target_id):
                 break
         draft_probs = torch.stack(rows) if rows else None
