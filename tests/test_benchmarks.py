@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import analysis, bench
 from benchmarks.meter import ForwardCall, cost_sizes
-from benchmarks.methods import MethodSpec, RunRecord, build_methods, hf_assistant_settings
+from benchmarks.methods import RunRecord, build_methods, hf_assistant_settings
 from benchmarks.prompts import load_prompts
 from benchmarks.serve_bench import RequestOptions, grpc_request, http_request, run_load, summarize_load
 from protos.hetspec.v1 import hetspec_pb2 as pb
