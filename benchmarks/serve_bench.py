@@ -159,7 +159,8 @@ class InProcess:
         import yaml
 
         from deployments.config import AppConfig
-        from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
+        from deployments.coordinator import request_speculation
+        from hetspec import Engine, SamplingParams, load_model
 
         document = yaml.safe_load(config_path.read_text())
         config = AppConfig.model_validate(document["applications"][0]["args"])
@@ -169,14 +170,8 @@ class InProcess:
         target = load_model(config.target.model, dtype=config.target.dtype, device=config.target.device,
                             threads=config.target.threads)
         self.engine = Engine(target, drafter)
-        # the coordinator's rule for request overrides (deployments.coordinator.Coordinator.prepare)
-        overrides = {"algorithm": options.algorithm or None, "draft_tokens": options.draft_tokens}
-        overrides = {name: value for name, value in overrides.items() if value is not None}
-        if overrides.get("algorithm") not in (None, "slem", "auto"):
-            overrides["tree_width"] = 1
-        self.speculation = SpeculationConfig.model_validate({**config.speculation.model_dump(), **overrides})
+        self.speculation = request_speculation(config.speculation, options.algorithm or None, options.draft_tokens)
         self.params = SamplingParams(max_new_tokens=options.max_new_tokens, temperature=options.temperature)
-        self.threads = config.target.threads
 
     def request(self, prompt_id: str, prompt: str) -> RequestTiming:
         timing = RequestTiming("library", prompt_id)

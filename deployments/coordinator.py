@@ -77,6 +77,17 @@ class Prepared:
     deadline: float | None = None  # time.monotonic() past which the request is stopped (limits.request_timeout_s)
 
 
+def request_speculation(server: SpeculationConfig, algorithm: str | None,
+                        draft_tokens: int | None) -> SpeculationConfig:
+    """The server's speculation settings with a request's overrides (None: keep the server's); a
+    ValidationError names the field a client got wrong."""
+    overrides = {name: value for name, value in (("algorithm", algorithm), ("draft_tokens", draft_tokens))
+                 if value is not None}
+    if overrides.get("algorithm") not in (None, "slem", "auto"):
+        overrides["tree_width"] = 1  # the server's SLEM draft tree does not apply to a chain-only algorithm
+    return SpeculationConfig.model_validate({**server.model_dump(), **overrides})
+
+
 def validation_to_invalid(error: ValidationError, renames: dict[str, str] | None = None) -> InvalidRequest:
     """The first pydantic error as an InvalidRequest naming the field (in the client's own words)."""
     first = error.errors()[0]
@@ -125,12 +136,8 @@ class Coordinator:
         limits = self.config.limits
         if request.params.max_new_tokens > limits.max_new_tokens:
             raise InvalidRequest("max_new_tokens", f"must be at most {limits.max_new_tokens} on this server")
-        overrides = {name: value for name, value in
-                     (("algorithm", request.algorithm), ("draft_tokens", request.draft_tokens)) if value is not None}
-        if overrides.get("algorithm") not in (None, "slem", "auto"):
-            overrides["tree_width"] = 1  # the server's SLEM draft tree does not apply to a chain-only algorithm
         try:
-            speculation = SpeculationConfig.model_validate({**self.config.speculation.model_dump(), **overrides})
+            speculation = request_speculation(self.config.speculation, request.algorithm, request.draft_tokens)
         except ValidationError as error:
             raise validation_to_invalid(error) from None
         try:
