@@ -43,6 +43,11 @@ class Sessions(Generic[Session]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def in_flight(self, within_s: float) -> int:
+        """Sessions in use now or used in the last ``within_s`` seconds: the requests this actor is serving."""
+        since = time.monotonic() - within_s
+        return sum(1 for entry in list(self._entries.values()) if entry.lock.locked() or entry.last_used >= since)
+
     def open(self, request_id: str, session: Session) -> None:
         with self._guard:
             if request_id in self._entries:

@@ -76,6 +76,10 @@ class VerifyResult:
     seconds: float  # time inside the target
 
 
+# a request between steps (its other model's pass, the coordinator's turn) still counts as in flight
+IN_FLIGHT_WITHIN_S = 2.0
+
+
 def _load(model: ModelConfig | LanguageModel) -> LanguageModel:
     if isinstance(model, LanguageModel):
         return model
@@ -87,12 +91,13 @@ class _Worker:
     role = "worker"
 
     def __init__(self, model: ModelConfig | LanguageModel, pipeline: PipelineConfig, release: Callable[[Any], None]):
-        self.model = _load(model)
-        # model work runs on these threads, not on the actor's call threads (deployments/model_threads.py)
-        self.model_threads = ModelThreads(f"hetspec-{self.role}", pipeline.model_lanes,
-                                          model.threads if isinstance(model, ModelConfig) else None)
-        self.actor_id = uuid.uuid4().hex[:8]
+        # model work, loading included, runs on these threads, not on the actor's (deployments/model_threads.py)
         self.sessions: Sessions = Sessions(pipeline.max_sessions, pipeline.session_idle_timeout_s, release)
+        self.model_threads = ModelThreads(f"hetspec-{self.role}", pipeline.model_lanes,
+                                          model.threads if isinstance(model, ModelConfig) else None,
+                                          in_flight=lambda: self.sessions.in_flight(IN_FLIGHT_WITHIN_S))
+        self.model = self.model_threads.run(_load, model)[0]
+        self.actor_id = uuid.uuid4().hex[:8]
         self.sessions.start_sweeper(self._expired)
         self._calls = 0
         self._calls_guard = threading.Lock()
@@ -159,8 +164,12 @@ class DrafterWorker(_Worker):
 
     def attach_target(self, target: ModelInfo) -> None:
         """Vocabulary maps of the pair, built once; warmed here because actor threads share them."""
-        self.maps = PairMaps(self.model, target.stand_in())
-        _ = self.maps.intersection, self.maps.intersection_inverse, self.maps.first_target_token
+        self.maps = self.model_threads.run(self._built_maps, target)[0]
+
+    def _built_maps(self, target: ModelInfo) -> PairMaps:
+        maps = PairMaps(self.model, target.stand_in())
+        _ = maps.intersection, maps.intersection_inverse, maps.first_target_token
+        return maps
 
     def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
              params: SamplingParams) -> None:

@@ -120,6 +120,17 @@ class TestSessions:
             assert sessions.close_idle() == ["idle"]
         assert released == ["idle session"] and len(sessions) == 1
 
+    def test_in_flight_counts_sessions_in_use_or_used_lately_not_abandoned_ones(self):
+        sessions = Sessions(max_sessions=4, idle_timeout_s=60, release=lambda session: None)
+        for request_id in ("abandoned", "between steps", "in a call"):
+            sessions.open(request_id, request_id)
+        with sessions.use("in a call"):
+            time.sleep(0.5)  # the abandoned session's last use and this call's start are 0.5 s old now
+            with sessions.use("between steps"):
+                pass
+            assert sessions.in_flight(within_s=0.25) == 2
+            assert sessions.in_flight(within_s=60) == 3
+
     def test_close_waits_for_the_call_in_progress(self):
         events = []
         sessions = Sessions(max_sessions=1, idle_timeout_s=60, release=lambda session: events.append("released"))
@@ -242,82 +253,3 @@ def test_app_config_rejects_more_running_requests_than_sessions():
     with pytest.raises(ValidationError, match="max_running_requests"):
         AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"max_sessions": 4},
                                   "limits": {"max_running_requests": 8}})
-
-
-def _openmp_threads_here() -> int:
-    """OpenMP's thread count for the calling thread (what torch's CPU kernels use), from torch's libgomp."""
-    from deployments.model_threads import torch_openmp
-
-    openmp = torch_openmp()
-    assert openmp is not None, "torch's CPU wheel ships its OpenMP runtime (libgomp)"
-    return openmp.omp_get_max_threads()
-
-
-def _fresh_thread_openmp() -> int:
-    seen: list[int] = []
-    probe = threading.Thread(target=lambda: seen.append(_openmp_threads_here()))
-    probe.start()
-    probe.join()
-    return seen[0]
-
-
-def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(gemma):
-    """A Ray actor runs calls on a pool of threads; a new thread starts at OpenMP's default thread count, not
-    at torch.set_num_threads's, so the worker runs model work on threads of its own that it sizes."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch
-
-    from deployments.workers import TargetWorker
-    from hetspec import SamplingParams, SpeculationConfig
-
-    before, wanted = torch.get_num_threads(), _fresh_thread_openmp() + 1  # unlike what a fresh thread gets
-    torch.set_num_threads(wanted)
-    seen: list[tuple[str, int]] = []
-    hook = gemma.model.register_forward_pre_hook(
-        lambda module, args: seen.append((threading.current_thread().name, _openmp_threads_here())))
-    try:
-        pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"model_lanes": 1}}).pipeline
-        worker = TargetWorker(gemma, pipeline)
-        prompt_ids = gemma.encode_prompt("def add(a, b):")
-        with ThreadPoolExecutor(3) as callers:  # like an actor's pool: calls arrive on several threads
-            list(callers.map(lambda index: worker.open(f"r{index}", prompt_ids, "slem", SpeculationConfig(),
-                                                       SamplingParams()), range(3)))
-            results = list(callers.map(lambda index: worker.verify(f"r{index}", DraftMessage()), range(3)))
-        assert len({tuple(result.new_ids) for result in results}) == 1 and all(r.seconds > 0 for r in results)
-        assert len(seen) >= 3 and {name for name, _ in seen} == {"hetspec-target_0"}
-        assert {threads for _, threads in seen} == {wanted}
-        for index in range(3):
-            worker.close(f"r{index}")
-    finally:
-        hook.remove()
-        torch.set_num_threads(before)
-
-
-def test_model_threads_split_the_cpu_threads_among_the_calls_running():
-    from concurrent.futures import ThreadPoolExecutor
-
-    from deployments.model_threads import ModelThreads
-
-    lanes = ModelThreads("lane", lanes=2, threads=4)
-    alone = lanes.run(lambda: (threading.current_thread().name, _openmp_threads_here()))[0]
-    assert alone[0].startswith("lane") and alone[1] == 4
-    first_started, second_done = threading.Event(), threading.Event()
-
-    def first() -> int:
-        first_started.set()
-        assert second_done.wait(10)  # holds its lane while the second call runs
-        return _openmp_threads_here()
-
-    def second() -> int:
-        try:
-            return _openmp_threads_here()
-        finally:
-            second_done.set()
-
-    with ThreadPoolExecutor(2) as callers:
-        first_share = callers.submit(lanes.run, first)
-        assert first_started.wait(10)
-        assert lanes.run(second)[0] == 2  # two calls running: half each
-        assert first_share.result()[0] == 4  # sized when it started alone
-    assert lanes.run(_openmp_threads_here)[0] == 4  # alone again: every thread

@@ -1,0 +1,178 @@
+"""deployments/model_threads.py: which threads run a worker's model work, and how many OpenMP threads each uses."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from deployments import model_threads, workers
+from deployments.config import AppConfig
+from deployments.model_threads import ModelThreads, torch_openmp
+from deployments.workers import DraftMessage, TargetWorker
+from hetspec import SamplingParams, SpeculationConfig
+from hetspec.config import ModelConfig
+
+SMALL_PAIR = {"target": {"model": "gemma3-270m"}, "drafter": {"model": "smollm2-135m"}}
+
+
+def _openmp_threads_here() -> int:
+    """OpenMP's thread count for the calling thread (what torch's CPU kernels use), from torch's libgomp."""
+    openmp = torch_openmp()
+    assert openmp is not None, "torch's CPU wheel ships its OpenMP runtime (libgomp)"
+    return openmp.omp_get_max_threads()
+
+
+def _where() -> tuple[str, int]:
+    return threading.current_thread().name, _openmp_threads_here()
+
+
+def _fresh_thread_openmp() -> int:
+    seen: list[int] = []
+    probe = threading.Thread(target=lambda: seen.append(_openmp_threads_here()))
+    probe.start()
+    probe.join()
+    return seen[0]
+
+
+def _while_the_first_lane_is_held(lanes: ModelThreads, *side_work):
+    """Runs each of ``side_work`` while a call holds the first lane: their results, then the held call's."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> tuple[str, int]:
+        held.set()
+        assert release.wait(30)
+        return _where()
+
+    with ThreadPoolExecutor(1 + len(side_work)) as callers:
+        first = callers.submit(lanes.run, hold)
+        assert held.wait(30)
+        side = [callers.submit(lanes.run, work) for work in side_work]
+        results = [future.result()[0] for future in side]
+        release.set()
+        return results, first.result()[0]
+
+
+def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(gemma):
+    """A Ray actor runs calls on a pool of threads; a new thread starts at OpenMP's default thread count, not
+    at torch.set_num_threads's, so the worker runs model work on threads of its own that it sizes."""
+    before, wanted = torch.get_num_threads(), _fresh_thread_openmp() + 1  # unlike what a fresh thread gets
+    torch.set_num_threads(wanted)
+    seen: list[tuple[str, int]] = []
+    hook = gemma.model.register_forward_pre_hook(lambda module, args: seen.append(_where()))
+    try:
+        pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"model_lanes": 1}}).pipeline
+        worker = TargetWorker(gemma, pipeline)
+        prompt_ids = gemma.encode_prompt("def add(a, b):")
+
+        def one_request(index: int):
+            worker.open(f"r{index}", prompt_ids, "slem", SpeculationConfig(), SamplingParams())
+            try:
+                return worker.verify(f"r{index}", DraftMessage())
+            finally:
+                worker.close(f"r{index}")
+
+        results = []
+        for index in range(3):  # like an actor's pool: each call on another thread (one request at a time)
+            with ThreadPoolExecutor(1) as caller:
+                results.append(caller.submit(one_request, index).result())
+        assert len({tuple(result.new_ids) for result in results}) == 1 and all(r.seconds > 0 for r in results)
+        assert len(seen) >= 3 and {name for name, _ in seen} == {"hetspec-target_0"}
+        assert {threads for _, threads in seen} == {wanted}
+    finally:
+        hook.remove()
+        torch.set_num_threads(before)
+
+
+def test_worker_loads_its_model_on_its_first_lane(monkeypatch, gemma):
+    """Loading runs torch's parallel kernels; on the constructor's thread they would leave a second team."""
+    loaded_on: list[str] = []
+
+    def load_model(*args, **kwargs):
+        loaded_on.append(threading.current_thread().name)
+        return gemma
+
+    monkeypatch.setattr(workers, "load_model", load_model)
+    pipeline = AppConfig.model_validate(SMALL_PAIR).pipeline
+    worker = TargetWorker(ModelConfig(model="gemma3-270m"), pipeline)
+    assert worker.model is gemma and loaded_on == ["hetspec-target_0"]
+
+
+def test_model_threads_split_the_cpu_threads_among_the_calls_running(monkeypatch):
+    monkeypatch.setattr(model_threads, "usable_cpus", lambda: 8)  # 4 spare: a side lane may use 4 too
+    lanes = ModelThreads("lane", lanes=2, threads=4)
+    assert lanes.side_lane_threads == 4
+    assert lanes.run(_where)[0] == ("lane_0", 4)  # alone: every thread
+    (side,), first = _while_the_first_lane_is_held(lanes, _where)
+    assert side == ("lane_side", 2)  # two calls running: half each
+    assert first == ("lane_0", 4)  # sized when it started alone
+    assert lanes.run(_where)[0] == ("lane_0", 4)  # alone again: the first lane, every thread
+
+
+def test_requests_in_flight_at_the_other_model_count_as_one_more_call():
+    """Drafter and target share the cores: while other requests are at the other model, a pass alone here
+    takes half the threads, not all (at 4 clients the 2-thread drafter otherwise ran 2.4x slower)."""
+    in_flight = [1]
+    lanes = ModelThreads("shared", lanes=1, threads=4, in_flight=lambda: in_flight[0])
+    assert lanes.run(_where)[0] == ("shared_0", 4)  # this request alone
+    in_flight[0] = 3
+    assert lanes.run(_where)[0] == ("shared_0", 2)
+
+
+def test_a_side_lane_uses_only_the_cpus_the_first_lane_leaves(monkeypatch):
+    monkeypatch.setattr(model_threads, "usable_cpus", lambda: 2)
+    lanes = ModelThreads("tight", lanes=3, threads=2)
+    assert lanes.side_lane_threads == 1
+    sides, first = _while_the_first_lane_is_held(lanes, _where, _where)
+    assert sides == [("tight_side", 1), ("tight_side", 1)] and first == ("tight_0", 2)
+
+
+def test_calls_wait_for_a_lane_and_errors_reach_the_caller():
+    lanes = ModelThreads("one", lanes=1, threads=2)
+
+    def fails():
+        raise ValueError("bad draft")
+
+    with pytest.raises(ValueError, match="bad draft"):
+        lanes.run(fails)
+    with ThreadPoolExecutor(4) as callers:  # one lane: every call runs there, one at a time, all answered
+        assert {result[0] for result in callers.map(lambda _: lanes.run(_where), range(8))} == {("one_0", 2)}
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _matmul() -> float:  # big enough for MKL to run it on a team of threads
+    square = torch.ones(512, 512)
+    return float((square @ square)[0, 0])
+
+
+def test_a_one_thread_share_runs_mkl_on_one_thread_too():
+    """torch's CPU attention and float32 matmuls run in MKL, which keeps its own thread count: sized by
+    OpenMP alone, a one-thread call still made a team of two, and the teams then outnumbered the CPUs."""
+    lanes = ModelThreads("mkl", lanes=1, threads=2, in_flight=lambda: 2)  # another request: a share of 1
+    lanes.run(lambda: None)
+    settled = _os_threads()
+    assert lanes.run(_matmul)[0] == 512.0
+    assert _os_threads() == settled
+
+
+def test_a_side_lane_ends_when_the_first_lane_is_free_and_its_openmp_team_with_it(monkeypatch):
+    """libgomp stops spinning once its teams hold more threads than there are CPUs (every parallel region
+    then waits on a futex: the int8 drafter's token 2.5x slower), so no side lane's team may outlive it."""
+    monkeypatch.setattr(model_threads, "usable_cpus", lambda: 8)  # a side lane gets 2 threads: a team
+    lanes = ModelThreads("teams", lanes=2, threads=4)
+    lanes.run(_matmul)
+    settled = _os_threads()
+    (side,), _ = _while_the_first_lane_is_held(lanes, _matmul)
+    assert side == 512.0
+    deadline = time.monotonic() + 10
+    while _os_threads() > settled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _os_threads() == settled
+    assert not [thread for thread in threading.enumerate() if thread.name == "teams_side"]
