@@ -46,8 +46,9 @@ class PipelineConfig(StrictModel):
     actor_max_concurrency: int = Field(16, ge=1, le=1024, description=(
         "Calls one drafter or target actor runs at once (threads), so concurrent requests interleave."))
     model_lanes: int = Field(2, ge=1, le=64, description=(
-        "Forward passes one drafter or target actor runs at once, each on its own thread; the model's CPU "
-        "threads are split among the passes running (one request alone gets them all)."))
+        "Forward passes one drafter or target actor runs at once, each on its own thread: a lasting first "
+        "lane, the others only while it is busy. The model's CPU threads are split among the passes running "
+        "(one request alone gets them all; deployments/model_threads.py)."))
 
 
 class AutoscalingConfig(StrictModel):

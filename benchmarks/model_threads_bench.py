@@ -1,0 +1,103 @@
+"""Where a served worker's model work runs, and what it costs: one token of a model, by thread setup.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.model_threads_bench --model smollm2-135m --quantize int8
+
+Each setting loads the model anew in a fresh process (libgomp's teams and MKL's thread counts are
+per process) with OMP_NUM_THREADS=1, as Ray sets it for an actor with ``num_cpus`` 1 or less. It then
+times single-token forwards (KV cache, 200-token context):
+- ``loading thread``: the forwards on the thread that loaded the model, as the library runs in process;
+- ``second thread``: loaded on one thread, run on another. Each thread that runs a parallel region keeps
+  its own libgomp team, so the teams outnumber the CPUs. This is what a worker did before
+  deployments/model_threads.py;
+- ``first lane``: ``ModelThreads`` (loads on its first lane, runs there), alone;
+- ``first lane after a burst``: the same after two calls at once (a side lane came and went);
+- ``first lane, other requests in flight``: a one-thread share, as while the other model holds requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+SETTINGS = ["loading thread", "second thread", "first lane", "first lane after a burst",
+            "first lane, other requests in flight"]
+
+
+def _token_ms(model, tokens: int) -> float:
+    import torch
+
+    context = torch.arange(100, 300).unsqueeze(0)  # [1, 200]
+    with torch.inference_mode():
+        out = model(context, use_cache=True)
+        cache, next_id = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        started = time.perf_counter()
+        for _ in range(tokens):
+            out = model(next_id, past_key_values=cache, use_cache=True)
+            cache, next_id = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        return (time.perf_counter() - started) / tokens * 1000
+
+
+def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: int) -> float:
+    """Milliseconds per token in this process for ``setting``."""
+    from deployments.model_threads import ModelThreads
+    from hetspec.models import load_model
+
+    def load():
+        return load_model(model_id, quantize=quantize, threads=threads).model
+
+    if setting in ("loading thread", "second thread"):
+        loader, runner = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+        model = loader.submit(load).result()
+        pool = loader if setting == "loading thread" else runner
+        pool.submit(_token_ms, model, 3).result()
+        return pool.submit(_token_ms, model, tokens).result()
+    in_flight = [1]
+    lanes = ModelThreads("bench", lanes=2, threads=threads, in_flight=lambda: in_flight[0])
+    model = lanes.run(load)[0]
+    lanes.run(_token_ms, model, 3)
+    if setting == "first lane after a burst":
+        with ThreadPoolExecutor(2) as callers:
+            list(callers.map(lambda _: lanes.run(_token_ms, model, 10), range(2)))
+    if setting == "first lane, other requests in flight":
+        in_flight[0] = 2
+    return lanes.run(_token_ms, model, tokens)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quantize", default="int8", choices=["none", "int8"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per setting")
+    parser.add_argument("--setting", help=argparse.SUPPRESS)  # one measurement, in a child process
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.setting:
+        print(json.dumps(measure(args.setting, args.model, args.quantize, args.threads, args.tokens)))
+        return
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    results = {}
+    for setting in SETTINGS:
+        runs = []
+        for _ in range(args.repeats):
+            child = subprocess.run([sys.executable, "-m", "benchmarks.model_threads_bench", "--setting", setting,
+                                    "--model", args.model, "--quantize", args.quantize, "--threads",
+                                    str(args.threads), "--tokens", str(args.tokens)],
+                                   env=environment, capture_output=True, text=True, check=True)
+            runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
+        results[setting] = sorted(runs)[len(runs) // 2]
+        print(f"| {setting} | {results[setting]:.1f} | {', '.join(f'{run:.1f}' for run in runs)} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as out:
+            json.dump({"model": args.model, "quantize": args.quantize, "threads": args.threads,
+                       "tokens": args.tokens, "ms_per_token_median": results}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()
