@@ -93,9 +93,11 @@ class _Worker:
     def __init__(self, model: ModelConfig | LanguageModel, pipeline: PipelineConfig, release: Callable[[Any], None]):
         # model work, loading included, runs on these threads, not on the actor's (deployments/model_threads.py)
         self.sessions: Sessions = Sessions(pipeline.max_sessions, pipeline.session_idle_timeout_s, release)
-        self.model_threads = ModelThreads(f"hetspec-{self.role}", pipeline.model_lanes,
-                                          model.threads if isinstance(model, ModelConfig) else None,
-                                          in_flight=lambda: self.sessions.in_flight(IN_FLIGHT_WITHIN_S))
+        # requests at the other model take this model's cores too, unless the models are on different nodes
+        shares_cores = pipeline.placement_strategy != "STRICT_SPREAD"
+        self.model_threads = ModelThreads(
+            f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
+            in_flight=(lambda: self.sessions.in_flight(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
         self.model = self.model_threads.run(_load, model)[0]
         self.actor_id = uuid.uuid4().hex[:8]
         self.sessions.start_sweeper(self._expired)

@@ -123,6 +123,18 @@ def test_requests_in_flight_at_the_other_model_count_as_one_more_call():
     assert lanes.run(_where)[0] == ("shared_0", 2)
 
 
+@pytest.mark.parametrize("placement, counted", [("PACK", 1), ("STRICT_SPREAD", 0)])
+def test_a_worker_counts_requests_at_the_other_model_only_where_the_models_can_share_a_node(
+        gemma, placement, counted):
+    pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"placement_strategy": placement}}).pipeline
+    worker = TargetWorker(gemma, pipeline)
+    worker.open("r", gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(), SamplingParams())
+    try:
+        assert worker.model_threads.in_flight() == counted
+    finally:
+        worker.close("r")
+
+
 def test_a_side_lane_uses_only_the_cpus_the_first_lane_leaves(monkeypatch):
     monkeypatch.setattr(model_threads, "usable_cpus", lambda: 2)
     lanes = ModelThreads("tight", lanes=3, threads=2)
