@@ -128,6 +128,7 @@ class DecodeLoop:
         self.stats.pipelined = self.pipelined
         self.on_step = on_step
         self.on_drafter_lost = on_drafter_lost
+        self.drafts = 0  # the next draft's round, as Engine.stream counts it (speculative drafts too)
 
     async def run(self) -> AsyncIterator[StreamEvent]:
         started = time.perf_counter()
@@ -149,8 +150,7 @@ class DecodeLoop:
                     outcome = "hit" if message is not None else "miss"
             drafts = drafts and self.drafter is not None  # a lost drafter drafts no more
             if drafts and message is None:
-                message = await self._from_drafter(
-                    self.drafter.call("draft", self.request_id, committed, k, len(self.output.token_ids)))
+                message = await self._from_drafter(self._draft(committed, k, len(self.output.token_ids)))
                 if message is not None:
                     self._count_draft(message)
                     drafter_seconds += message.seconds
@@ -206,8 +206,13 @@ class DecodeLoop:
         if next_k <= 0 or not _complete(assumed):
             return None
         first_position = len(self.output.token_ids) + len(candidates)  # the bonus token's position
-        pending = self.drafter.call("draft", self.request_id, assumed, next_k + 1, first_position)
-        return _Speculation(pending, list(candidates), table)
+        return _Speculation(self._draft(assumed, next_k + 1, first_position), list(candidates), table)
+
+    def _draft(self, committed: bytes, k: int, first_position: int) -> Awaitable:
+        """A drafter call with the next draft round: a missed speculative draft's tokens can stay in the drafter's
+        context (``DrafterContext.sync``), so the draft that replaces it must not reuse its random numbers."""
+        self.drafts += 1
+        return self.drafter.call("draft", self.request_id, committed, k, first_position, self.drafts - 1)
 
     def _count_draft(self, message: DraftMessage) -> None:
         self.stats.drafter_forwards += message.drafter_forwards

@@ -181,13 +181,13 @@ class DrafterWorker(_Worker):
         session = _DrafterSession(side, make_algorithm(algorithm, self.maps, speculation, params), params)
         self._open(request_id, session)
 
-    def draft(self, request_id: str, committed: bytes, k: int, first_position: int) -> DraftMessage:
+    def draft(self, request_id: str, committed: bytes, k: int, first_position: int, draft_round: int) -> DraftMessage:
         """``algorithm.draft`` after the committed text (the drafter re-syncs to it first)."""
         self._count_call(+1)
         try:
             with self.sessions.use(request_id) as session:
                 draft, seconds = self.model_threads.run(session.algorithm.draft, session.side, committed, k,
-                                                       session.params, first_position)
+                                                       session.params, first_position, draft_round)
                 draft_probs = self.store(draft.draft_probs) if draft.draft_probs is not None else None
                 return DraftMessage(candidates=draft.candidates, text=draft.text, texts=draft.texts,
                                     draft_probs=draft_probs,

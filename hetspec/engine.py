@@ -243,6 +243,7 @@ class Engine:
         stats = Stats(algorithm=algorithm.name, prompt_tokens=target_side.prompt_len)
         output = OutputText(self.target, params)
         policy = DraftLength(speculation)
+        drafts = 0  # the next draft's round (hetspec.sampling: the drafter's numbers are never reused)
         try:
             while True:
                 remaining = params.max_new_tokens - len(output.token_ids)
@@ -251,7 +252,8 @@ class Engine:
                 draft = Draft()
                 if drafter_side is not None and k > 0 and complete_utf8_length(committed) == len(committed):
                     tick = time.perf_counter()
-                    draft = algorithm.draft(drafter_side, committed, k, params, len(output.token_ids))
+                    draft = algorithm.draft(drafter_side, committed, k, params, len(output.token_ids), drafts)
+                    drafts += 1
                     tock = time.perf_counter()
                     draft = algorithm.align(draft, target_side.ids)
                     stats.drafter_seconds += tock - tick

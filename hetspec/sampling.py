@@ -1,8 +1,17 @@
 """Logits to probabilities, and counter-based per-position randomness.
 
-Every random number is a pure function of (seed, stream, position), so the noise used for the token
-at output position n does not depend on how many drafts came before it. That is what lets SLEM with
-seed s reproduce the target alone with seed s token for token (DESIGN.md, "Sampling note").
+Every random number is a pure function of (seed, stream, position[, draft_round]). The target's numbers
+(TARGET, ACCEPT, RESIDUAL) are keyed by output position alone, so the noise used for the token at output
+position n does not depend on how many drafts came before it: that is what lets SLEM with seed s
+reproduce the target alone with seed s token for token. Each of them is used at most once, since every
+position is verified once.
+
+The drafter's numbers (DRAFT) are keyed by position *and* the request's draft round (0 for its first
+draft, +1 for every later one, speculative drafts included): after a rejection the next draft covers the
+same positions again, and the drafter's context may by then depend on the rejected draft's tokens
+(``DrafterContext.sync`` keeps drafted tokens that happen to spell the committed text). Reusing a number
+whose outcome already shaped that context would draw the next candidate from something other than the
+distribution used in the acceptance ratio (docs/losslessness.md, "Fresh drafter noise").
 """
 
 from __future__ import annotations
@@ -28,10 +37,21 @@ def _splitmix64(state: int) -> int:
     return mixed ^ (mixed >> 31)
 
 
-def uniform(seed: int, stream: Stream, position: int) -> float:
-    """A uniform number in [0, 1) determined by (seed, stream, position) alone."""
+def uniform(seed: int, stream: Stream, position: int, draft_round: int = 0) -> float:
+    """A uniform number in [0, 1) determined by (seed, stream, position, draft_round) alone.
+
+    ``draft_round`` is for the DRAFT stream; the target's streams leave it 0 (and then it is not mixed in).
+    """
     state = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ int(stream)) ^ position)
+    if draft_round:
+        state = _splitmix64(state ^ draft_round)
     return (state >> 11) * (1.0 / (1 << 53))
+
+
+def accepts(coin: float, target_prob: float, draft_prob: float) -> bool:
+    """Rejection sampling's test, coin < target_prob / draft_prob, written without the division so that
+    0/0 rejects instead of giving NaN."""
+    return coin * draft_prob < target_prob
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

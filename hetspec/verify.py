@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hetspec.sampling import Stream, logits_to_probs, sample_from, target_choice, uniform
+from hetspec.sampling import Stream, accepts, logits_to_probs, sample_from, target_choice, uniform
 
 
 def exact_match(candidates: list[int], target_choices: list[int]) -> tuple[int, int]:
@@ -67,8 +67,7 @@ def speculative_sampling(candidates: list[int], draft_probs: torch.Tensor, targe
         candidate_draft_probs = draft_probs[index, candidate_ids].tolist()
     for i in range(k):
         coin = uniform(seed, Stream.ACCEPT, first_position + i)
-        # accepted when coin < target/draft, written without the division so 0/0 rejects instead of NaN
-        if not coin * candidate_draft_probs[i] < candidate_target_probs[i]:
+        if not accepts(coin, candidate_target_probs[i], candidate_draft_probs[i]):
             recovered = residual_probs(target_probs[i], draft_probs[i])
             return i, sample_from(recovered, uniform(seed, Stream.RESIDUAL, first_position + i))
     return k, sample_from(target_probs[k], uniform(seed, Stream.TARGET, first_position + k))

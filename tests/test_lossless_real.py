@@ -162,6 +162,6 @@ def test_a_drafted_eos_ends_the_draft_as_its_last_candidate(smollm, params):
     # SD's map is the identity, EOS included (TLI's byte intersection leaves EOS out: it never proposes it)
     algorithm = make_algorithm("sd", maps, SpeculationConfig(algorithm="sd", draft_tokens=4), params)
     drafter = _DrafterWanting(eos, smollm.vocab_size)
-    draft = algorithm.draft(drafter, b"Hello", 4, params, 0)
+    draft = algorithm.draft(drafter, b"Hello", 4, params, 0, 0)
     assert draft.candidates == [eos] and drafter.pushed == [] and drafter.forwards == 1
     assert (draft.draft_probs is None) == params.greedy

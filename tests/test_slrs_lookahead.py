@@ -81,7 +81,7 @@ def slrs_psi(engine: Engine, committed: bytes, lookahead: int, params: SamplingP
     algorithm = StringLevelRejectionSampling(engine.maps, SpeculationConfig(algorithm="slrs",
                                                                             slrs_lookahead=lookahead))
     side = DrafterSide(engine.drafter, engine.drafter.encode_prompt(PROMPT), window=8)
-    draft = algorithm.draft(side, committed, 1, params, first_position=0)
+    draft = algorithm.draft(side, committed, 1, params, first_position=0, draft_round=0)
     return draft.draft_probs[0]
 
 

@@ -2,7 +2,7 @@
 
 An algorithm is split into steps on plain data so the in-process engine and the Ray workers run the
 same code (DESIGN.md, "One algorithm, two runtimes"):
-- ``draft``  (drafter side): sync the drafter to the committed text, then propose;
+- ``draft``  (drafter side): sync the drafter to the committed text, then propose (fresh drafter noise per draft);
 - ``align``  (string level): turn the proposal into target token ids (SLEM only re-tokenizes);
 - ``verify`` (target side): ``hetspec.verify.verify_candidates``;
 - commit: the target rolls back to the accepted prefix (``TargetSide.commit``), the drafter at its next sync.
@@ -110,7 +110,11 @@ class Algorithm:
         return False
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-              first_position: int) -> Draft:
+              first_position: int, draft_round: int) -> Draft:
+        """Propose up to k target tokens for output positions first_position.. after ``committed``.
+
+        ``draft_round`` numbers this request's drafts (0, 1, ... speculative ones included): the drafter's
+        random numbers are keyed by it and the position, so none is ever reused (``hetspec.sampling``)."""
         return Draft()
 
     def align(self, draft: Draft, committed_target_ids: Sequence[int]) -> Draft:

@@ -30,7 +30,7 @@ class StringLevelExactMatch(Algorithm):
         return True
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-              first_position: int) -> Draft:
+              first_position: int, draft_round: int) -> Draft:
         if self.speculation.tree_width > 1:
             return self.draft_tree(drafter, committed, k, params, first_position)
         drafter.sync(committed)

@@ -60,10 +60,10 @@ class StringLevelRejectionSampling(TokenLevelIntersection):
         return True
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-              first_position: int) -> Draft:
+              first_position: int, draft_round: int) -> Draft:
         """Alg. 3's proposal, one candidate per step: t ~ psi, then the drafter continues from t's text."""
         if self.lookahead == 1:
-            return super().draft(drafter, committed, k, params, first_position)
+            return super().draft(drafter, committed, k, params, first_position, draft_round)
         drafter.sync(committed)
         forwards_before = drafter.forwards
         candidates: list[int] = []
@@ -76,7 +76,7 @@ class StringLevelRejectionSampling(TokenLevelIntersection):
             if params.greedy:
                 target_id = int(torch.argmax(psi))
             else:
-                target_id = sample_from(psi, uniform(params.seed, Stream.DRAFT, first_position + step))
+                target_id = sample_from(psi, uniform(params.seed, Stream.DRAFT, first_position + step, draft_round))
             if self._stop_early(float(psi.max()), step):
                 break
             candidates.append(target_id)

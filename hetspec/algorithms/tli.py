@@ -32,7 +32,7 @@ class TokenLevelIntersection(Algorithm):
         return True
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-              first_position: int) -> Draft:
+              first_position: int, draft_round: int) -> Draft:
         drafter.sync(committed)
         forwards_before = drafter.forwards
         mapping = self.drafter_to_target()
@@ -51,7 +51,8 @@ class TokenLevelIntersection(Algorithm):
                 drafter_probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
                 # [target_vocab]: the distribution the candidate is drawn from, pushed through the map
                 draft_probs = torch.zeros(target_vocab).index_add_(0, mapping[mapped], drafter_probs[mapped])
-                target_id = sample_from(draft_probs, uniform(params.seed, Stream.DRAFT, first_position + step))
+                noise = uniform(params.seed, Stream.DRAFT, first_position + step, draft_round)
+                target_id = sample_from(draft_probs, noise)
                 top = float(drafter_probs.max())
             if self._stop_early(top, step):
                 break
