@@ -39,6 +39,16 @@ FAKE_TARGET = SimpleNamespace(tokenizer=table_tokenizer(PIECES), eos_token_ids={
 TABLE = token_bytes(FAKE_TARGET.tokenizer)
 
 
+def decode(ids: list[int], table, final: bool) -> tuple[str, list[int]]:
+    """The text of ``ids`` and each token's start in it (the text length before its bytes were decoded)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text, starts = "", []
+    for token_id in ids:
+        starts.append(len(text))
+        text += decoder.decode(table[token_id] or b"")
+    return text + decoder.decode(b"", final=final), starts
+
+
 def reference_output(ids: list[int], table, stops: list[str], eos_ids, budget: int) -> tuple[str, list[int], str]:
     """(text, ids, finish reason) by the rule itself: decode everything, then look at each character in turn
     for a stop string ending there; cut before the longest one that does. Kept ids start before the cut."""
@@ -48,12 +58,7 @@ def reference_output(ids: list[int], table, stops: list[str], eos_ids, budget: i
         if token_id in eos_ids:
             ids, finish = ids[:index + 1], "stop"
             break
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    text, starts = "", []
-    for token_id in ids:
-        starts.append(len(text))
-        text += decoder.decode(table[token_id] or b"")
-    text += decoder.decode(b"", final=True)
+    text, starts = decode(ids, table, final=True)
     for end in range(1, len(text) + 1):
         ending = [stop for stop in stops if text[:end].endswith(stop)]
         if ending:
@@ -80,9 +85,12 @@ def feed(ids: list[int], params: SamplingParams, chunk_sizes: list[int]) -> tupl
         released = "".join(text for _, text, _ in events)
         if event[2]:
             return output, events
-        # exactly the possible start of a stop string is held back, nothing more
-        assert output.text.startswith(released)
-        assert len(output.text) - len(released) == longest_held_suffix(output.text, params.stop)
+        # exactly the possible start of a stop string is held back, nothing more, and the ids starting in it
+        text, starts = decode(ids[:position], TABLE, final=False)
+        assert text.startswith(released)
+        assert len(text) - len(released) == longest_held_suffix(text, params.stop)
+        released_ids = [token for event_ids, _, _ in events for token in event_ids]
+        assert released_ids == [token for token, start in zip(ids, starts) if start < len(released)]
         assert position < len(ids) + 8, "the budget must end the request"
     raise AssertionError("unreachable")
 
