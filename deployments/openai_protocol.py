@@ -194,7 +194,8 @@ class Usage(StrictModel):
 
 
 class HetspecResult(StrictModel):
-    token_ids: list[int] = Field(description="The generated target token ids.")
+    token_ids: list[int] = Field(description=(
+        "The generated target token ids; after a stop string, those that start before it (docs/stop-strings.md)."))
     stats: dict[str, Any] = Field(description="Speculation statistics (acceptance, forwards, seconds, ...).")
 
 

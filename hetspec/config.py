@@ -46,7 +46,8 @@ class SamplingParams(StrictModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of mass >= top_p.")
     seed: int = Field(0, ge=0, lt=2**63, description="Seed of the per-position random stream.")
     stop: list[str] = Field(default_factory=list, max_length=16,
-                            description="Generation stops before the first occurrence of any of these strings.")
+                            description="Generation ends right before the first of these strings to complete "
+                                        "(docs/stop-strings.md).")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
 
     @field_validator("temperature", "top_p")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,8 +51,8 @@ class Stats:
 
 @dataclass
 class StreamEvent:
-    token_ids: list[int]  # committed by this step
-    text: str  # the text they add; never splits a UTF-8 character
+    token_ids: list[int]  # released by this step (OutputText holds back those that may lie in a stop string)
+    text: str  # the text they add; never splits a UTF-8 character nor ends with a possible stop string's start
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" on the last event
     stats: Stats | None = None  # on the last event
 
@@ -149,7 +150,32 @@ class DraftLength:
 
 
 class OutputText:
-    """Turns committed ids into text deltas and applies EOS, stop strings and the token budget."""
+    """Turns committed ids into text deltas and applies EOS, stop strings and the token budget.
+
+    Terms. The *text* is the incremental UTF-8 decode (errors="replace") of the committed tokens' bytes;
+    a character is final once the decoder emits it (the decoder is flushed only at the finish). A token's
+    *start* is the text length before its bytes were decoded, in characters: a replacement character
+    stands for an unknown number of bytes, so bytes cannot be mapped back to characters.
+
+    Stop rule: the output ends right before the stop string whose occurrence *completes* first in the
+    text (smallest end; on a tie the longer one, which starts first). That is what decoding one token
+    at a time gives, so it does not depend on how many tokens a step commits. The stop string is never
+    returned; its finish reason is "stop".
+
+    Hold-back: while decoding, the longest suffix of the text that is a proper prefix of some stop string
+    is held back (fewer than the longest stop's length in characters), and so are the ids of the tokens
+    that start in it, so no delta ever has to be taken back. The released length only grows: a longer
+    held suffix would have been a longer prefix already, or a stop that completed. At the finish by EOS or
+    the budget the held text is released; at a stop it is dropped.
+
+    Result ids: the committed tokens that start before the stop string's first character, i.e. those that
+    give bytes to the returned text (a token straddling the stop's start is kept; so is one whose decoding
+    first emits the U+FFFD of an earlier token's invalid bytes). The joined deltas and event ids are exactly
+    ``text`` and ``token_ids`` at the finish.
+
+    ``token_ids`` and ``generated_bytes`` hold every committed token while decoding (the decode loops take
+    positions and the token budget from them); at the finish ``token_ids`` and ``text`` are the result.
+    """
 
     def __init__(self, target: LanguageModel, params: SamplingParams):
         self.table = token_bytes(target.tokenizer)
@@ -157,14 +183,17 @@ class OutputText:
         self.params = params
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.token_ids: list[int] = []
+        self.token_starts: list[int] = []  # each committed token's start in ``text``
         self.generated_bytes = bytearray()
         self.text = ""
+        self.released_chars = 0  # of ``text``, in the deltas so far
+        self.released_tokens = 0  # of ``token_ids``, in the events so far
 
     def _bytes_of(self, token_id: int) -> bytes:
         return self.table[token_id] or b"" if token_id < len(self.table) else b""
 
     def add(self, new_ids: list[int]) -> tuple[list[int], str, str | None]:
-        """Returns (ids kept, text delta, finish reason or None)."""
+        """Returns (ids released, text delta, finish reason or None)."""
         finish = None
         budget = self.params.max_new_tokens - len(self.token_ids)
         if len(new_ids) >= budget:
@@ -173,38 +202,48 @@ class OutputText:
             if token_id in self.eos_ids:
                 new_ids, finish = new_ids[:index + 1], "stop"
                 break
-        start_chars = len(self.text)
-        start_tokens = len(self.token_ids)
+        scanned = len(self.text)  # no stop completes inside text[:scanned]: it was checked by earlier steps
         for token_id in new_ids:
             piece = self._bytes_of(token_id)
+            self.token_starts.append(len(self.text))
             self.generated_bytes += piece
             self.text += self.decoder.decode(piece)
         self.token_ids.extend(new_ids)
         if finish:
             self.text += self.decoder.decode(b"", final=True)
-        stop_at = self._find_stop(start_chars)
-        if stop_at is not None:
-            self.text, finish = self.text[:stop_at], "stop"
-            self._drop_tokens_after(len(self.text.encode("utf-8")))
-        return self.token_ids[start_tokens:], self.text[start_chars:], finish
+        stop_start = self._first_completed_stop(scanned)
+        if stop_start is not None:
+            finish = "stop"
+            self.text = self.text[:stop_start]
+            kept = bisect.bisect_left(self.token_starts, stop_start)  # tokens that start before the stop
+            del self.token_ids[kept:], self.token_starts[kept:]
+        released_chars = len(self.text) if finish else len(self.text) - self._held_length()
+        released_tokens = (len(self.token_ids) if finish
+                           else bisect.bisect_left(self.token_starts, released_chars))
+        assert released_chars >= self.released_chars, "released text is never taken back"
+        delta = self.text[self.released_chars:released_chars]
+        ids = self.token_ids[self.released_tokens:released_tokens]
+        self.released_chars, self.released_tokens = released_chars, released_tokens
+        return ids, delta, finish
 
-    def _find_stop(self, start_chars: int) -> int | None:
-        found = None
+    def _first_completed_stop(self, scanned: int) -> int | None:
+        """Start of the stop-string occurrence that ends first after ``text[:scanned]`` (ties: the longer)."""
+        first = None  # (end, start)
         for stop in self.params.stop:
-            index = self.text.find(stop, max(0, start_chars - len(stop) + 1))
-            if index >= 0 and (found is None or index < found):
-                found = index
-        return found
+            start = self.text.find(stop, max(0, scanned - len(stop) + 1))  # the first of this stop ends first
+            if start >= 0 and (first is None or (start + len(stop), start) < first):
+                first = (start + len(stop), start)
+        return None if first is None else first[1]
 
-    def _drop_tokens_after(self, byte_length: int) -> None:
-        """Keep the tokens that start before the stop string."""
-        offset, kept = 0, 0
-        for token_id in self.token_ids:
-            if offset >= byte_length:
-                break
-            offset += len(self._bytes_of(token_id))
-            kept += 1
-        del self.token_ids[kept:]
+    def _held_length(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of some stop string."""
+        held = 0
+        for stop in self.params.stop:
+            for length in range(min(len(stop) - 1, len(self.text)), held, -1):
+                if self.text.endswith(stop[:length]):
+                    held = length
+                    break
+        return held
 
 
 class Engine:

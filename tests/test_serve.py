@@ -157,6 +157,34 @@ def test_http_chat_stream_openai_client(openai_client, served_app, reference):  
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
+def test_stop_strings_in_multi_token_steps_match_library(grpc_stub, openai_client, served_app, reference):  # noqa: F811
+    """Stop strings from the target's own output, SLEM committing several tokens a step: gRPC and HTTP, whole
+    and streamed, return the library's text and ids for the target alone (one token a step). The longer stop
+    starts first but completes after the shorter one, so the shorter one must win (issue 12)."""
+    whole = reference(PROMPTS[1]).text
+    middle = len(whole) // 2
+    stops = [whole[middle:middle + 3], whole[middle - 2:middle + 4]]
+    expected = reference(PROMPTS[1], stop=stops)
+    assert expected.finish_reason == "stop" and whole.startswith(expected.text) and len(expected.text) <= middle
+    request = pb.GenerateRequest(prompt=PROMPTS[1], algorithm="slem", draft_tokens=6, stop=stops)
+    response = grpc_stub.Generate(request, timeout=300)
+    assert (response.text, list(response.token_ids), response.finish_reason) == \
+        (expected.text, expected.token_ids, "stop")
+    assert response.stats.accepted_tokens > 0 and response.usage.completion_tokens == len(expected.token_ids)
+    messages = list(grpc_stub.GenerateStream(request, timeout=300))
+    assert "".join(message.text for message in messages) == expected.text
+    assert [token for message in messages for token in message.token_ids] == expected.token_ids
+    body = dict(model=served_app.model_id, prompt=PROMPTS[1], max_tokens=NEW_TOKENS, temperature=0, stop=stops,
+                extra_body={"hetspec": {"algorithm": "slem", "draft_tokens": 6}})
+    completion = openai_client.completions.create(**body)
+    assert (completion.choices[0].text, completion.model_extra["hetspec"]["token_ids"]) == \
+        (expected.text, expected.token_ids)
+    assert completion.choices[0].finish_reason == "stop"
+    chunks = list(openai_client.completions.create(**body, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected.text
+    assert [token for chunk in chunks for token in chunk.model_extra["hetspec"]["token_ids"]] == expected.token_ids
+
+
 def test_eight_concurrent_streams_pipelined_and_not(served_app, reference):  # noqa: F811
     """4 prompts x (pipelined, not): 8 streaming requests at once on the same actors, all the library's."""
     import openai
