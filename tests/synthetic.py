@@ -138,3 +138,22 @@ def chi_square_pvalue(samples: list[tuple[int, ...]], expected_probs: dict[tuple
         return 0.0  # outcomes of probability 0 were observed
     scale = total / sum(expected_counts)  # absorb float rounding of the enumerated probabilities
     return float(stats.chisquare(observed_counts, [count * scale for count in expected_counts]).pvalue)
+
+
+def bigram_llama(next_logits: torch.Tensor) -> LlamaForCausalLM:
+    """A 1-layer Llama whose next-token logits are ``next_logits[last token]``  (next_logits: [V, V], V <= 16).
+
+    Attention and MLP write nothing (zero output projections), so the residual stream is the last token's
+    one-hot embedding; the final RMSNorm scales it to 4 (hidden size 16) and the head reads column ``last``.
+    A bigram model's distribution depends on which tokens spell its context, which is what the drafter-noise
+    regression test needs (tests/test_exact_distribution.py).
+    """
+    vocab_size = next_logits.shape[0]
+    model = tiny_llama(vocab_size, seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab_size, 16))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.copy_(torch.cat([next_logits.T, torch.zeros(vocab_size, 16 - vocab_size)], 1) / 4)
+    return model

@@ -4,7 +4,10 @@ The target's exact distribution over its first N generated tokens is enumerated 
 (chain rule over every sequence; the vocabulary has 8 tokens). Each algorithm generates N tokens for
 seeds 0..S-1 and the empirical distribution is compared with the exact one by a chi-square test.
 Seeds are fixed, so each test always passes or always fails. A negative control (a wrong residual)
-shows the test has the power to catch a lossy verification.
+shows the test has the power to catch a lossy verification. The default run covers temperature 1 over 3
+tokens and temperature 0.8 with top-k and top-p over 5 tokens with k = 3 (so a round drafts 3 and a rejection
+leads to a redraft of the same positions); tests/test_exact_distribution.py computes the same distributions
+exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ P_THRESHOLD = 1e-3
 SAMPLING = {
     "t1": SamplingParams(max_new_tokens=LENGTH, temperature=1.0, ignore_eos=True),
     "t0.8-top5-p0.9": SamplingParams(max_new_tokens=LENGTH, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True),
+    # the default run's rejection-sampling setting: processed != unprocessed, and with k = 3 the first round drafts 3
+    # and later rounds draft again over positions a rejection left open
+    "t0.8-top5-p0.9-5tokens": SamplingParams(max_new_tokens=5, temperature=0.8, top_k=5, top_p=0.9, ignore_eos=True),
 }
 
 
@@ -64,13 +70,14 @@ Distribution = dict[tuple[int, ...], float]
 def exact(target) -> dict[str, Distribution]:
     """The target's exact distribution of its first LENGTH tokens after PROMPT, per sampling setting."""
     prompt_ids = target.encode_prompt(PROMPT)
-    return {name: sequence_distribution(target, prompt_ids, LENGTH, params.temperature, params.top_k, params.top_p)
+    return {name: sequence_distribution(target, prompt_ids, params.max_new_tokens, params.temperature, params.top_k,
+                                        params.top_p)
             for name, params in SAMPLING.items()}
 
 
 def generated_sequences(engine: Engine, algorithm: str, sampling: str, seeds: int,
-                        tree_width: int = 1) -> list[tuple[int, ...]]:
-    speculation = SpeculationConfig(algorithm=algorithm, tree_width=tree_width)
+                        tree_width: int = 1, draft_tokens: int = 5) -> list[tuple[int, ...]]:
+    speculation = SpeculationConfig(algorithm=algorithm, tree_width=tree_width, draft_tokens=draft_tokens)
     params = SAMPLING[sampling]
     return [tuple(engine.generate(PROMPT, params.model_copy(update={"seed": seed}), speculation=speculation).token_ids)
             for seed in range(seeds)]
@@ -81,8 +88,9 @@ def target_alone_sequences(engines) -> list[tuple[int, ...]]:
     return generated_sequences(engines["none"], "ar", "t1", SEEDS)
 
 
-def pvalue(engines, exact, algorithm: str, sampling: str, seeds: int = SEEDS) -> float:
-    samples = generated_sequences(engines[DRAFTER_OF[algorithm]], algorithm, sampling, seeds)
+def pvalue(engines, exact, algorithm: str, sampling: str, seeds: int = SEEDS, draft_tokens: int = 5) -> float:
+    samples = generated_sequences(engines[DRAFTER_OF[algorithm]], algorithm, sampling, seeds,
+                                  draft_tokens=draft_tokens)
     return chi_square_pvalue(samples, exact[sampling])
 
 
@@ -114,6 +122,7 @@ def test_target_alone_follows_its_distribution(exact, target_alone_sequences):
 @pytest.mark.parametrize("algorithm", ["sd", "tli", "slrs"])
 def test_rejection_sampling_algorithms_are_lossless(engines, exact, algorithm):
     assert pvalue(engines, exact, algorithm, "t1") > P_THRESHOLD
+    assert pvalue(engines, exact, algorithm, "t0.8-top5-p0.9-5tokens", draft_tokens=3) > P_THRESHOLD
 
 
 @pytest.mark.slow
@@ -131,7 +140,7 @@ def test_slem_reproduces_the_target_alone_seed_for_seed(engines, exact, target_a
     assert chi_square_pvalue(slem, exact["t1"]) > P_THRESHOLD
 
 
-@pytest.mark.parametrize("algorithm, seeds", [("sd", 600), ("tli", 500)])
+@pytest.mark.parametrize("algorithm, seeds", [("sd", 900), ("tli", 500)])
 def test_negative_control_a_wrong_residual_is_caught(engines, exact, algorithm, seeds, monkeypatch):
     """Drawing the recovered token from the target instead of the residual is lossy; the test must see it
     with fewer seeds than the real tests use."""
