@@ -7,6 +7,8 @@ is the sub-interval of the number's current interval that produces it, taken wit
 (its length / the current length), and the number's interval narrows to it. A number used twice (the same
 key, as the seeded hash makes it) is therefore consistent between its uses, exactly as the real hash is.
 Any other use of a Symbol raises, so no random number can escape the enumeration.
+The outcome intervals mirror ``hetspec.sampling.sample_from`` and ``accepts``: a change to either must be
+made here too (the exact tests then fail until it is).
 
 The decoder is re-run from the start once per path (depth first over the branch choices), so the models'
 state needs no copying; the result is the probability of every outcome the run returns, summed exactly
