@@ -1,6 +1,6 @@
 """Offline validation of the deployment files in cluster/: KubeRay manifests, Dockerfile, Ray cluster launcher.
 
-The manifests are checked against the KubeRay CRDs in ../shared/kuberay (unknown fields rejected, as the
+The manifests are checked against the KubeRay CRDs vendored in cluster/kuberay/crds (unknown fields rejected, as the
 API server's strict field validation does), their serveConfigV2 against Ray Serve's schema and hetspec's
 AppConfig, and the deployment choices (GPUs, ports, versions, sizing) against each other.
 """
@@ -96,15 +96,15 @@ def _cpu_quantity(value) -> float:
 
 # ---- the shared CRDs ------------------------------------------------------------------------------------
 
-def test_crds_are_found_beside_the_repository():
+def test_the_vendored_crds_are_found_in_the_repository():
     folder = validate.kuberay_dir()
-    assert (folder / "ray.io_rayservices.yaml").is_file()
+    assert folder == REPO / "cluster" / "kuberay" / "crds" and (folder / "ray.io_rayservices.yaml").is_file()
     assert validate.crd_schema("RayService")["properties"]["spec"]["additionalProperties"] is False
 
 
 def test_missing_crds_fail_with_a_clear_message(monkeypatch, tmp_path):
     monkeypatch.setenv("HETSPEC_KUBERAY_DIR", str(tmp_path))
-    with pytest.raises(validate.SharedDataMissing, match="shared data folder must sit beside the repository"):
+    with pytest.raises(validate.CRDsMissing, match="set HETSPEC_KUBERAY_DIR"):
         validate.kuberay_dir()
 
 

@@ -84,18 +84,17 @@ CORE_SCHEMAS = {
 }
 
 
-class SharedDataMissing(FileNotFoundError):
-    """The KubeRay CRDs are expected in ../shared/kuberay beside the repository."""
+class CRDsMissing(FileNotFoundError):
+    """The KubeRay CRDs are not in the folder named by HETSPEC_KUBERAY_DIR."""
 
 
 def kuberay_dir() -> Path:
-    """``<dir>/shared/kuberay`` for a repository at ``<dir>/main``; ``HETSPEC_KUBERAY_DIR`` overrides it."""
-    folder = Path(os.environ.get("HETSPEC_KUBERAY_DIR", REPO_ROOT.parent / "shared" / "kuberay"))
+    """The vendored CRDs (cluster/kuberay/crds, see its README); ``HETSPEC_KUBERAY_DIR`` overrides them."""
+    folder = Path(os.environ.get("HETSPEC_KUBERAY_DIR", REPO_ROOT / "cluster" / "kuberay" / "crds"))
     missing = [name for name in CRD_FILES.values() if not (folder / name).is_file()]
     if missing:
-        raise SharedDataMissing(
-            f"KubeRay CRDs {missing} not found in {folder}: the shared data folder must sit beside the "
-            "repository (<dir>/main and <dir>/shared/kuberay), or set HETSPEC_KUBERAY_DIR")
+        raise CRDsMissing(f"KubeRay CRDs {missing} not found in {folder}: set HETSPEC_KUBERAY_DIR to a folder that "
+                          "holds them, or unset it to use the vendored copy in cluster/kuberay/crds")
     return folder
 
 
