@@ -22,7 +22,8 @@ from ray.exceptions import TaskCancelledError
 from hetspec.algorithms import Algorithm, PairMaps, make_algorithm
 from hetspec.config import SamplingParams, SpeculationConfig, StrictModel
 from hetspec.config import Algorithm as AlgorithmName
-from hetspec.engine import DraftLength, OutputText, StreamEvent
+from hetspec.decoder import Progress
+from hetspec.output import StreamEvent
 from hetspec.models import LanguageModel
 
 from deployments.admission import Admission, Overloaded, RequestTimeout, Ticket
@@ -218,9 +219,9 @@ class Coordinator:
                                   drafter_lost=algorithm.needs_drafter and drafter is None)
             if stats.drafter_lost:
                 self._drafter_lost(request_id)
-            loop = DecodeLoop(request_id, algorithm, prepared.params, OutputText(self.target_model, prepared.params),
-                              DraftLength(prepared.speculation), stats,
-                              list(prepared.target_prompt_ids), target, drafter, prepared.pipelined,
+            progress = Progress(self.target_model, prepared.params, prepared.speculation, stats)
+            loop = DecodeLoop(request_id, algorithm, progress, list(prepared.target_prompt_ids), target, drafter,
+                              prepared.pipelined,
                               on_step=lambda step: self._record_step(algorithm.name, step),
                               on_drafter_lost=lambda: self._drafter_lost(request_id))
             async for event in _until(prepared.deadline, loop.run()):

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import grpc
 from pydantic import ValidationError
 
-from hetspec.engine import StreamEvent
+from hetspec.output import StreamEvent
 
 from deployments.auth import Unauthenticated, grpc_api_key
 from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,

@@ -17,7 +17,7 @@ from pydantic import Field, field_validator
 
 from hetspec.config import Algorithm as AlgorithmName
 from hetspec.config import StrictModel
-from hetspec.engine import StreamEvent
+from hetspec.output import StreamEvent
 
 from deployments.coordinator import ChatMessage, GenerationRequest, InvalidRequest
 

@@ -1,8 +1,9 @@
-"""The distributed decode loop: ``Engine.stream``'s loop with the drafter and target in other processes.
+"""A request's steps with the drafter and target in other processes.
 
-Each step is the library's: draft (drafter actor), align (here), verify (target actor), then
-``DraftLength``, ``OutputText`` and ``Stats`` here, in the same order with the same arguments as
-``hetspec.engine.Engine.stream``, so the tokens are the same.
+Each step is the library's: the draft length, draft round and bookkeeping are ``hetspec.decoder.Progress``'s
+(the object ``hetspec.decoder.Request`` is in process), the draft and the verification run in the workers
+through the library's own step code (``algorithm.draft``, ``TargetSide.verify``), alignment runs here. What
+this adds is moving data between processes and pipelining.
 
 Pipelining: while the target verifies chunk i, the drafter already drafts chunk i+1 from the committed
 text plus chunk i's candidates, i.e. assuming chunk i is accepted. Its first token is then a guess of the
@@ -22,17 +23,17 @@ import contextvars
 import copy
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 from ray.exceptions import ActorDiedError, RayActorError
 
 from hetspec.algorithms import Algorithm, Draft
 from hetspec.align import complete_utf8_length
-from hetspec.config import SamplingParams
-from hetspec.engine import DraftLength, OutputText, Stats, StreamEvent
+from hetspec.decoder import Progress
+from hetspec.output import Stats, StreamEvent
 
-from deployments.workers import DraftMessage, VerifyResult
+from deployments.workers import VerifyResult
 
 
 class Worker(Protocol):
@@ -82,25 +83,25 @@ class _Speculation:
         self.assumed_candidates = assumed_candidates
         self.table = table
 
-    async def usable(self, new_ids: list[int]) -> tuple[DraftMessage, DraftMessage | None]:
+    async def usable(self, new_ids: list[int]) -> tuple[Draft, Draft | None]:
         """(the speculative draft, the part of it that continues ``new_ids`` or None on a miss)."""
-        draft: DraftMessage = await self.pending
+        draft: Draft = await self.pending
         bonus = new_ids[-1]
         if new_ids[:-1] != self.assumed_candidates:
             return draft, None
         if draft.candidates:  # a draft of target ids (TLI, SLRS, SD): its first id guessed the bonus token
             if draft.candidates[0] != bonus or len(draft.candidates) == 1:
                 return draft, None
-            return draft, DraftMessage(candidates=draft.candidates[1:], draft_probs=draft.draft_probs,
-                                       first_row=draft.first_row + 1)
+            return draft, Draft(candidates=draft.candidates[1:], draft_probs=draft.draft_probs,
+                                first_row=draft.first_row + 1)
         bonus_bytes = self.table[bonus] or b""  # a text draft (SLEM): its text must start with the bonus token's
         if draft.texts:  # a tree: the branches that guessed the bonus token
             rest = [text[len(bonus_bytes):] for text in draft.texts
                     if text.startswith(bonus_bytes) and len(text) > len(bonus_bytes)]
-            return draft, DraftMessage(texts=rest) if rest else None
+            return draft, Draft(texts=rest) if rest else None
         if not draft.text.startswith(bonus_bytes) or len(draft.text) == len(bonus_bytes):
             return draft, None
-        return draft, DraftMessage(text=draft.text[len(bonus_bytes):])
+        return draft, Draft(text=draft.text[len(bonus_bytes):])
 
 
 class DecodeLoop:
@@ -111,16 +112,15 @@ class DecodeLoop:
     alone would output (token for token in greedy and seeded exact-match decoding), so nothing is lost.
     """
 
-    def __init__(self, request_id: str, algorithm: Algorithm, params: SamplingParams, output: OutputText,
-                 policy: DraftLength, stats: PipelineStats, target_ids: list[int], target: Worker,
-                 drafter: Worker | None, pipelined: bool, on_step: Callable[[Step], None] = lambda step: None,
+    def __init__(self, request_id: str, algorithm: Algorithm, progress: Progress, target_ids: list[int],
+                 target: Worker, drafter: Worker | None, pipelined: bool,
+                 on_step: Callable[[Step], None] = lambda step: None,
                  on_drafter_lost: Callable[[], None] = lambda: None):
         self.request_id = request_id
         self.algorithm = algorithm
-        self.params = params
-        self.output = output
-        self.policy = policy
-        self.stats = stats
+        self.progress = progress
+        self.output = progress.output
+        self.stats: PipelineStats = progress.stats
         self.target_ids = target_ids  # the committed target ids, prompt included (TargetSide.ids' twin)
         self.target = target
         self.drafter = drafter
@@ -128,17 +128,15 @@ class DecodeLoop:
         self.stats.pipelined = self.pipelined
         self.on_step = on_step
         self.on_drafter_lost = on_drafter_lost
-        self.drafts = 0  # the next draft's round, as Engine.stream counts it (speculative drafts too)
 
     async def run(self) -> AsyncIterator[StreamEvent]:
-        started = time.perf_counter()
         speculation: _Speculation | None = None
         new_ids: list[int] = []
         while True:
-            remaining = self.params.max_new_tokens - len(self.output.token_ids)
-            committed = bytes(self.output.generated_bytes)
-            k = min(self.policy.k, remaining - 1)
-            drafts = self.drafter is not None and k > 0 and _complete(committed)  # Engine.stream's condition
+            remaining = self.progress.params.max_new_tokens - self.progress.position
+            committed = self.progress.committed
+            k = self.progress.draft_length(self.drafter is not None)
+            drafts = k > 0
             message, drafter_seconds, outcome = None, 0.0, None
             if speculation is not None:
                 usable = await self._from_drafter(speculation.usable(new_ids))
@@ -150,11 +148,11 @@ class DecodeLoop:
                     outcome = "hit" if message is not None else "miss"
             drafts = drafts and self.drafter is not None  # a lost drafter drafts no more
             if drafts and message is None:
-                message = await self._from_drafter(self._draft(committed, k, len(self.output.token_ids)))
+                message = await self._from_drafter(self._draft(committed, k, self.progress.position))
                 if message is not None:
                     self._count_draft(message)
                     drafter_seconds += message.seconds
-            message = message or DraftMessage()  # no draft: the target commits its own next token
+            message = message or Draft()  # no draft: the target commits its own next token
             tick = time.perf_counter()
             message = self._align(message)
             alignment_seconds = time.perf_counter() - tick
@@ -164,15 +162,11 @@ class DecodeLoop:
             speculation = self._speculate(committed, message.candidates, remaining) if speculating else None
             result: VerifyResult = await verifying
             new_ids = result.new_ids
-            self._account(message, result, drafter_seconds, alignment_seconds, outcome)
-            kept_ids, delta, finish = self.output.add(new_ids)
+            event = self._account(message, result, drafter_seconds, alignment_seconds, outcome)
             self.target_ids.extend(new_ids)
-            self.stats.generated_tokens = len(self.output.token_ids)
-            if finish:
-                self.stats.total_seconds = time.perf_counter() - started
-                yield StreamEvent(kept_ids, delta, finish, self.stats)
+            yield event
+            if event.finish_reason:
                 return
-            yield StreamEvent(kept_ids, delta)
 
     async def _from_drafter(self, call: Awaitable):
         """The drafter call's result, or None once the drafter is lost (the request goes on target-only)."""
@@ -187,51 +181,47 @@ class DecodeLoop:
                 self.on_drafter_lost()
             return None
 
-    def _align(self, message: DraftMessage) -> DraftMessage:
+    def _align(self, draft: Draft) -> Draft:
         """String-level alignment (SLEM re-tokenizes the drafted text); other algorithms pass ids through."""
-        if not message.text and not message.texts:
-            return message
-        draft = self.algorithm.align(Draft(candidates=list(message.candidates), text=message.text,
-                                           texts=list(message.texts)), self.target_ids)
-        return DraftMessage(candidates=draft.candidates, tree=draft.tree, draft_probs=message.draft_probs,
-                            first_row=message.first_row)
+        if not draft.text and not draft.texts:
+            return draft
+        return self.algorithm.align(replace(draft, text=draft.text, texts=list(draft.texts)), self.target_ids)
 
     def _speculate(self, committed: bytes, candidates: list[int], remaining: int) -> _Speculation | None:
         """Start drafting the next chunk as if all ``candidates`` are accepted (the step's k plus a bonus guess)."""
         table = self.output.table
         assumed = committed + b"".join(table[token] or b"" for token in candidates)
-        policy = copy.copy(self.policy)
+        policy = copy.copy(self.progress.policy)
         policy.update(len(candidates), len(candidates))
         next_k = min(policy.k, remaining - len(candidates) - 1 - 1)
         if next_k <= 0 or not _complete(assumed):
             return None
-        first_position = len(self.output.token_ids) + len(candidates)  # the bonus token's position
+        first_position = self.progress.position + len(candidates)  # the bonus token's position
         return _Speculation(self._draft(assumed, next_k + 1, first_position), list(candidates), table)
 
     def _draft(self, committed: bytes, k: int, first_position: int) -> Awaitable:
         """A drafter call with the next draft round: a missed speculative draft's tokens can stay in the drafter's
         context (``DrafterContext.sync``), so the draft that replaces it must not reuse its random numbers."""
-        self.drafts += 1
-        return self.drafter.call("draft", self.request_id, committed, k, first_position, self.drafts - 1)
+        return self.drafter.call("draft", self.request_id, committed, k, first_position, self.progress.next_round())
 
-    def _count_draft(self, message: DraftMessage) -> None:
+    def _count_draft(self, message: Draft) -> None:
         self.stats.drafter_forwards += message.drafter_forwards
         self.stats.drafter_seconds += message.seconds
 
-    def _account(self, message: DraftMessage, result: VerifyResult, drafter_seconds: float,
-                 alignment_seconds: float, outcome: str | None) -> None:
+    def _account(self, message: Draft, result: VerifyResult, drafter_seconds: float,
+                 alignment_seconds: float, outcome: str | None) -> StreamEvent:
         accepted = len(result.new_ids) - 1
-        drafted = message.tree.max_depth if message.tree is not None else len(message.candidates)
+        drafted = message.proposed_len
         self.stats.alignment_seconds += alignment_seconds
         self.stats.target_seconds += result.seconds
-        self.stats.target_forwards += 1
-        self.stats.drafted_tokens += drafted
-        self.stats.accepted_tokens += accepted
         self.stats.pipeline_hits += outcome == "hit"
         self.stats.pipeline_misses += outcome == "miss"
-        self.policy.update(drafted, accepted)
+        self.stats.batch_rows += 1
+        self.stats.chosen_draft_tokens += drafted
+        event = self.progress.commit(drafted, result.new_ids)
         self.on_step(Step(drafted, accepted, drafter_seconds, result.seconds, alignment_seconds,
                           outcome))
+        return event
 
 
 class LocalWorker:

@@ -14,14 +14,15 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
 from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
-from hetspec.engine import TargetSide
+from hetspec.decoder import TargetSide
+from hetspec.kv import run_alone
 from hetspec.models import LanguageModel, load_model
 from hetspec.tree import TokenTree
 
@@ -50,24 +51,6 @@ class ModelInfo:
         """A LanguageModel without weights: enough for tokenizing, vocabulary maps and ``OutputText``."""
         return LanguageModel(name=self.name, model=None, tokenizer=self.tokenizer, device=torch.device("cpu"),
                              vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
-
-
-@dataclass
-class DraftMessage:
-    """A draft on the wire: drafter -> coordinator (aligned there) -> target.
-
-    ``draft_probs`` is a stored [rows, target_vocab] tensor (an ObjectRef between actors) or None;
-    candidate i's row is ``first_row + i`` (a speculative draft used without its first token skips a row).
-    """
-
-    candidates: list[int] = field(default_factory=list)
-    text: bytes = b""
-    texts: list[bytes] = field(default_factory=list)  # SLEM draft tree: one string per branch
-    tree: TokenTree | None = None  # the aligned tree of target ids (verified by exact match, no rows)
-    draft_probs: Any = None
-    first_row: int = 0
-    drafter_forwards: int = 0
-    seconds: float = 0.0  # time inside the drafter
 
 
 @dataclass
@@ -181,17 +164,18 @@ class DrafterWorker(_Worker):
         session = _DrafterSession(side, make_algorithm(algorithm, self.maps, speculation, params), params)
         self._open(request_id, session)
 
-    def draft(self, request_id: str, committed: bytes, k: int, first_position: int, draft_round: int) -> DraftMessage:
+    def draft(self, request_id: str, committed: bytes, k: int, first_position: int, draft_round: int) -> Draft:
         """``algorithm.draft`` after the committed text (the drafter re-syncs to it first)."""
         self._count_call(+1)
         try:
             with self.sessions.use(request_id) as session:
-                draft, seconds = self.model_threads.run(session.algorithm.draft, session.side, committed, k,
-                                                       session.params, first_position, draft_round)
-                draft_probs = self.store(draft.draft_probs) if draft.draft_probs is not None else None
-                return DraftMessage(candidates=draft.candidates, text=draft.text, texts=draft.texts,
-                                    draft_probs=draft_probs,
-                                    drafter_forwards=draft.drafter_forwards, seconds=seconds)
+                draft, seconds = self.model_threads.run(
+                    run_alone, self.model, session.algorithm.draft(session.side, committed, k, session.params,
+                                                                   first_position, draft_round))
+                if draft.draft_probs is not None:  # [k, target_vocab] travels by reference to the target
+                    draft.draft_probs = self.store(draft.draft_probs)
+                draft.seconds = seconds
+                return draft
         finally:
             self._count_call(-1)
 
@@ -218,23 +202,21 @@ class TargetWorker(_Worker):
                                  ALGORITHM_CLASSES[algorithm](None, speculation), params)
         self._open(request_id, session)
 
-    def verify(self, request_id: str, message: DraftMessage) -> VerifyResult:
+    def verify(self, request_id: str, draft: Draft) -> VerifyResult:
         self._count_call(+1)
         try:
             with self.sessions.use(request_id) as session:
-                draft = Draft(candidates=message.candidates, draft_probs=self._draft_probs(message, session),
-                              tree=message.tree)
-                new_ids, seconds = self.model_threads.run(session.side.verify, session.algorithm, draft,
-                                                         session.params)
+                draft = replace(draft, draft_probs=self._draft_probs(draft, session), first_row=0)
+                new_ids, seconds = self.model_threads.run(
+                    run_alone, self.model, session.side.verify(session.algorithm, draft, session.params))
                 return VerifyResult(new_ids, seconds)
         finally:
             self._count_call(-1)
 
-    def _draft_probs(self, message: DraftMessage, session: _TargetSession) -> torch.Tensor | None:
+    def _draft_probs(self, draft: Draft, session: _TargetSession) -> torch.Tensor | None:
         """[len(candidates), target_vocab] rows of the stored draft distribution, or None."""
         if session.algorithm.exact or session.params.greedy:
             return None
-        if message.draft_probs is None:  # no draft this step: k = 0 rows, the target samples on its own
+        if draft.draft_probs is None:  # no draft this step: k = 0 rows, the target samples on its own
             return torch.zeros(0, self.model.vocab_size)
-        rows = self.fetch(message.draft_probs)
-        return rows[message.first_row:message.first_row + len(message.candidates)]
+        return replace(draft, draft_probs=self.fetch(draft.draft_probs)).candidate_probs()

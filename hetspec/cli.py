@@ -37,31 +37,51 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object (text, ids, statistics)")
+    parser.add_argument("--prompts-file", metavar="FILE", help=(
+        "decode many prompts in batches: one JSON value per line, a string (the prompt) or an object with "
+        "'prompt' or 'messages' and any sampling field overriding the flags ('temperature', 'seed', 'stop', ...); "
+        "prints one JSON result per line, in order"))
+    parser.add_argument("--batch-size", type=int, default=8, help="most prompts decoded together (--prompts-file)")
+    parser.add_argument("--load-adaptive", action="store_true",
+                        help="choose each step's draft length (0: plain batched decoding) from measured costs")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
-    from hetspec.config import require_unicode
+    from hetspec.config import BatchingConfig, require_unicode
 
-    try:
-        # stdin as bytes: invalid UTF-8 is the user's input error, not a UnicodeDecodeError traceback
-        prompt = args.prompt if args.prompt is not None else sys.stdin.buffer.read().decode("utf-8")
-        require_unicode(prompt)  # an invalid UTF-8 argument arrives as lone surrogates (surrogateescape)
-    except ValueError as error:
-        print(f"hetspec: prompt: not valid UTF-8 text ({error})", file=sys.stderr)
+    if args.prompts_file and args.prompt is not None:
+        print("hetspec: give a prompt or --prompts-file, not both", file=sys.stderr)
         return 2
+    prompt = None
+    if not args.prompts_file:
+        try:
+            # stdin as bytes: invalid UTF-8 is the user's input error, not a UnicodeDecodeError traceback
+            prompt = args.prompt if args.prompt is not None else sys.stdin.buffer.read().decode("utf-8")
+            require_unicode(prompt)  # an invalid UTF-8 argument arrives as lone surrogates (surrogateescape)
+        except ValueError as error:
+            print(f"hetspec: prompt: not valid UTF-8 text ({error})", file=sys.stderr)
+            return 2
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop)
         speculation = SpeculationConfig(algorithm=args.algorithm, draft_tokens=args.draft_tokens,
                                         adaptive=args.adaptive, tree_width=args.tree_width,
-                                        confidence_threshold=args.confidence_threshold)
+                                        confidence_threshold=args.confidence_threshold,
+                                        load_adaptive=args.load_adaptive)
+        batching = BatchingConfig(max_batch_size=args.batch_size)
     except ValidationError as error:
         for problem in error.errors():
             field = ".".join(str(part) for part in problem["loc"]).replace("_", "-")
             print(f"hetspec: --{field}: {problem['msg']}", file=sys.stderr)
         return 2
-    if not prompt:
+    if args.prompts_file:
+        try:
+            prompts, per_prompt = _read_prompts(args.prompts_file, params)
+        except (OSError, ValueError) as error:
+            print(f"hetspec: --prompts-file: {error}", file=sys.stderr)
+            return 2
+    elif not prompt:
         print("hetspec: the prompt is empty", file=sys.stderr)
         return 2
     target = load_model(args.target, args.dtype, args.device, args.threads, progress=_progress)
@@ -69,7 +89,17 @@ def _run_generate(args: argparse.Namespace) -> int:
     if speculation.algorithm != "ar":
         drafter = load_model(args.drafter, args.dtype, args.device, args.threads, progress=_progress,
                              quantize=args.drafter_quantize)
-    engine = Engine(target, drafter, speculation)
+    engine = Engine(target, drafter, speculation, batching)
+    if args.prompts_file:
+        try:
+            results = engine.generate_batch(prompts, per_prompt, progress=True)
+        except ValueError as error:
+            print(f"hetspec: --prompts-file: {error}", file=sys.stderr)
+            return 2
+        for index, result in enumerate(results):
+            print(json.dumps({"index": index, "text": result.text, "token_ids": result.token_ids,
+                              "finish_reason": result.finish_reason, "stats": result.stats.to_dict()}))
+        return 0
     messages = [{"role": "user", "content": prompt}] if args.chat else None
     try:
         if args.json:
@@ -89,6 +119,30 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(f"hetspec: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _read_prompts(path: str, defaults) -> tuple[list, list]:
+    """Prompts (strings or message lists) and their sampling parameters from a JSON-lines file."""
+    from hetspec import SamplingParams
+
+    prompts, per_prompt = [], []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+                if isinstance(value, str):
+                    value = {"prompt": value}
+                if not isinstance(value, dict) or ("prompt" in value) == ("messages" in value):
+                    raise ValueError("each line is a JSON string or an object with exactly one of prompt, messages")
+                prompts.append(value.pop("prompt") if "prompt" in value else value.pop("messages"))
+                per_prompt.append(SamplingParams.model_validate({**defaults.model_dump(), **value}))
+            except (ValueError, ValidationError) as error:
+                raise ValueError(f"line {number}: {error}") from None
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt")
+    return prompts, per_prompt
 
 
 def main(argv: list[str] | None = None) -> int:

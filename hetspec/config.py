@@ -92,6 +92,9 @@ class SpeculationConfig(StrictModel):
         "Most drafter sequences SLRS may enumerate per proposal; a larger enumeration is refused, never approximated."))
     alignment_window: int = Field(8, ge=1, le=256, description=(
         "Committed tokens re-tokenized together with new text (a bounded window, never the whole context)."))
+    load_adaptive: bool = Field(False, description=(
+        "Choose each step's draft length (down to 0: plain batched decoding) from the measured pass costs of "
+        "both models at the current batch size and the requests' measured acceptance (docs/batching.md)."))
 
     @field_validator("tree_width")
     @classmethod
@@ -107,6 +110,14 @@ class SpeculationConfig(StrictModel):
         if self.min_draft_tokens > self.max_draft_tokens:
             raise ValueError("min_draft_tokens must not exceed max_draft_tokens")
         return self
+
+
+class BatchingConfig(StrictModel):
+    max_batch_size: int = Field(8, ge=1, le=256, description=(
+        "Most requests decoded together; more wait and join as others finish (continuous batching)."))
+    prefill_chunk_tokens: int = Field(128, ge=1, le=65536, description=(
+        "While other requests decode, a joining prompt is fed at most this many tokens per step, so a long "
+        "prompt does not stall their decoding; with nobody decoding it is fed whole."))
 
 
 class ModelConfig(StrictModel):

@@ -1,14 +1,9 @@
-"""Causal language models with an incremental KV cache and explicit rollback.
+"""Causal language models and their loading.
 
 ``load_model`` accepts a built-in short name (see ``registry``), a ``.gguf`` file, a local model
-folder or a Hugging Face model id. ``KVSession`` holds one request's cache: ``extend`` feeds new
-tokens and returns their logits, ``rollback`` cuts the cache back to any earlier length.
-
-Rollback uses a ``DynamicCache`` built without the model config, so every layer, Gemma 3's
-sliding-window layers included, keeps full-length keys and values. The model still applies its own
-sliding-window mask (the mask is computed from the config, not from the cache layout), so logits are
-those of the model; the price is cache memory that grows with the context instead of being capped
-at the window, which is what lets a rejected draft be rolled back at any context length.
+folder or a Hugging Face model id. Each model's requests share one batched KV cache (``hetspec.kv``):
+``new_session`` gives a request its row; ``extend`` feeds new tokens and returns their logits,
+``rollback`` cuts the cache back to any earlier length, ``hetspec.kv.forward`` feeds many rows at once.
 """
 
 from __future__ import annotations
@@ -18,15 +13,16 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from hetspec import registry
 from hetspec.config import require_unicode
-from hetspec.tree import tree_attention
+from hetspec.kv import KVPool, KVSession
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +41,13 @@ class LanguageModel:
     def __repr__(self) -> str:
         return f"LanguageModel({self.name!r}, vocab_size={self.vocab_size}, device={self.device})"
 
-    def new_session(self) -> "KVSession":
+    def new_session(self) -> KVSession:
         return KVSession(self)
+
+    @cached_property
+    def kv_pool(self) -> KVPool:
+        """The KV buffers every session of this model takes a row of."""
+        return KVPool(self.model, self.device)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -76,76 +77,6 @@ class LanguageModel:
                 raise ValueError(f"messages[{index}].content {error}") from None
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
-
-
-class KVSession:
-    """One request's KV cache on one model. ``length`` tokens are in the cache."""
-
-    def __init__(self, language_model: LanguageModel):
-        self.language_model = language_model
-        self.cache = DynamicCache()  # no config: full-length layers everywhere, see module docstring
-        self.length = 0
-
-    @torch.inference_mode()
-    def extend(self, token_ids: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
-        """Feed ``token_ids`` after the cached ones; return float32 logits  # [kept, vocab_size]
-
-        Row i of the result predicts the token after ``token_ids[len(token_ids) - kept + i]``.
-        """
-        if not token_ids:
-            raise ValueError("extend needs at least one token")
-        kept = len(token_ids) if logits_to_keep is None else logits_to_keep
-        model = self.language_model.model
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.language_model.device)
-        output = model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=kept)
-        self.length += len(token_ids)
-        return output.logits[0, -kept:, :].float()
-
-    @torch.inference_mode()
-    def extend_tree(self, token_ids: list[int], parents: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
-        """Feed a token tree after the cached tokens (``hetspec.tree``; parent -1: the cache's last token).
-        Return float32 logits of the last ``logits_to_keep`` nodes  # [kept, vocab_size]
-
-        The tree's keys and values stay in the cache in feeding order; ``keep`` then compacts it to one path.
-        """
-        if not token_ids or len(parents) != len(token_ids):
-            raise ValueError("extend_tree needs one parent per token, at least one token")
-        kept = len(token_ids) if logits_to_keep is None else logits_to_keep
-        model = self.language_model.model
-        config = model.config.get_text_config()
-        mask, positions = tree_attention(self.length, parents, model.dtype, self.language_model.device,
-                                         getattr(config, "layer_types", None), getattr(config, "sliding_window", None))
-        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.language_model.device)
-        output = model(input_ids=input_ids, cache=self.cache, use_cache=True, attention_mask=mask,
-                       position_ids=positions, logits_to_keep=kept)
-        self.length += len(token_ids)
-        return output.logits[0, -kept:, :].float()
-
-    def keep(self, positions: list[int]) -> None:
-        """Keep only the cached tokens at ``positions`` (increasing), in that order: one path of a fed tree."""
-        if positions == list(range(len(positions))):
-            self.rollback(len(positions))
-            return
-        if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[-1] >= self.length):
-            raise ValueError(f"positions to keep must increase and lie below {self.length}")
-        index = torch.tensor(positions, dtype=torch.long, device=self.language_model.device)
-        for layer in self.cache.layers:
-            if layer.is_initialized:
-                layer.keys = layer.keys.index_select(-2, index)
-                layer.values = layer.values.index_select(-2, index)
-        self.length = len(positions)
-
-    def rollback(self, length: int) -> None:
-        """Drop every cached token after the first ``length`` (a rejected draft's keys and values)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
-        if length < self.length:
-            self.cache.crop(length - self.length)  # transformers >= 5.24 takes a negative count to remove
-            self.length = length
-
-    def release(self) -> None:
-        self.cache = DynamicCache()
-        self.length = 0
 
 
 def _conversion_dir(gguf_path: Path, kind: str) -> Path:

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-import torch
-
 ROOT = -1  # the parent of a first-level node: the last token already cached or fed before the tree
 
 
@@ -95,43 +93,3 @@ def walk(children: dict[int, dict[int, int]], choice_at: Callable[[int, int], in
             return accepted, token
         accepted.append(child)
         node = child
-
-
-def tree_attention(cached: int, parents: Sequence[int], dtype: torch.dtype, device: torch.device,
-                   layer_types: Sequence[str] | None = None,
-                   sliding_window: int | None = None) -> tuple[torch.Tensor | dict, torch.Tensor]:
-    """Additive mask and position ids for feeding ``len(parents)`` nodes after ``cached`` cached tokens.
-
-    Returns (mask [1, 1, nodes, cached + nodes], or one per layer type for models that mix full and
-    sliding-window layers; position ids [1, nodes]). A node sees the cache and its ancestors; a
-    sliding-window layer also hides keys ``sliding_window`` or more positions behind the query, as the
-    model's own mask does.
-    """
-    count = len(parents)
-    allowed = torch.zeros(count, cached + count, dtype=torch.bool)
-    allowed[:, :cached] = True
-    depth = torch.zeros(count, dtype=torch.long)
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            allowed[node] = allowed[parent]
-            depth[node] = depth[parent] + 1
-        allowed[node, cached + node] = True
-    positions = cached + depth  # [nodes]
-    key_positions = torch.cat([torch.arange(cached), positions])  # [cached + nodes]
-
-    def additive(visible: torch.Tensor) -> torch.Tensor:  # [nodes, keys] bool -> [1, 1, nodes, keys]
-        mask = torch.zeros(visible.shape, dtype=dtype)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask[None, None].to(device)
-
-    full = additive(allowed)
-    if not layer_types:
-        return full, positions[None].to(device)
-    masks = {}
-    for layer_type in set(layer_types):
-        if layer_type == "sliding_attention" and sliding_window:
-            recent = key_positions[None, :] > positions[:, None] - sliding_window
-            masks[layer_type] = additive(allowed & recent)
-        else:
-            masks[layer_type] = full
-    return masks, positions[None].to(device)

@@ -99,12 +99,12 @@ def test_mutant_tli_ratio_with_the_unprocessed_drafter_softmax(target, drafters,
     next_logits, draft = DrafterSide.next_logits, TokenLevelIntersection.draft
 
     def recording_next_logits(side):
-        seen.append(next_logits(side))
+        seen.append((yield from next_logits(side)))
         return seen[-1]
 
     def mutant_draft(algorithm, side, *args):
         seen.clear()
-        result = draft(algorithm, side, *args)
+        result = yield from draft(algorithm, side, *args)
         if result.draft_probs is not None:
             mapping = algorithm.drafter_to_target()
             mapped = mapping >= 0

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from hetspec import Engine, SamplingParams, SpeculationConfig
-from hetspec.engine import TargetSide
+from hetspec.algorithms import ALGORITHM_CLASSES, Draft
+from hetspec.decoder import TargetSide
+from hetspec.kv import run_alone
 
 pytestmark = pytest.mark.real
 
@@ -88,15 +90,14 @@ def test_rollback_leaves_exactly_the_accepted_prefix(gemma):
     """After a rejection the cache must equal a fresh prefill of the committed ids, past Gemma's 512-token window."""
     prompt_ids = gemma.encode_prompt("All work and no play makes Jack a dull boy. " * 60)[:600]
     side = TargetSide(gemma, prompt_ids)
-    logits = side.logits_for([])
-    greedy = int(logits[-1].argmax())
+    exact_match = ALGORITHM_CLASSES["slem"](None, SpeculationConfig())
+    greedy = run_alone(gemma, side.verify(exact_match, Draft(), SamplingParams()))[0]
     wrong = [(greedy + 1) % gemma.vocab_size, 7, 8, 9]
-    side.commit([], 0, greedy)
     committed = list(side.ids)
-    logits_k = side.logits_for(wrong)  # rejected at the first candidate
-    side.commit(wrong, 0, int(logits_k[0].argmax()))
+    new_ids = run_alone(gemma, side.verify(exact_match, Draft(candidates=wrong), SamplingParams()))
+    assert len(new_ids) == 1, "rejected at the first candidate"
     assert side.session.length == len(side.ids) - 1 == len(committed)
-    next_logits = side.logits_for([])[-1]
+    next_logits = side.session.extend(side.ids[-1:], logits_to_keep=1)[-1]
     fresh = gemma.new_session().extend(side.ids, logits_to_keep=1)[-1]
     assert torch.allclose(next_logits, fresh, atol=2e-4)
     assert int(next_logits.argmax()) == int(fresh.argmax())
@@ -143,11 +144,12 @@ class _DrafterWanting:
     def push(self, token_id: int) -> None:
         self.pushed.append(token_id)
 
-    def next_logits(self):
+    def next_logits(self):  # a generator like DrafterSide.next_logits, that needs no pass
         import torch
 
         self.forwards += 1
         return torch.full((self.vocab_size,), -10.0).index_fill_(0, torch.tensor([self.token_id]), 10.0)
+        yield
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)],
@@ -162,6 +164,6 @@ def test_a_drafted_eos_ends_the_draft_as_its_last_candidate(smollm, params):
     # SD's map is the identity, EOS included (TLI's byte intersection leaves EOS out: it never proposes it)
     algorithm = make_algorithm("sd", maps, SpeculationConfig(algorithm="sd", draft_tokens=4), params)
     drafter = _DrafterWanting(eos, smollm.vocab_size)
-    draft = algorithm.draft(drafter, b"Hello", 4, params, 0, 0)
+    draft = run_alone(smollm, algorithm.draft(drafter, b"Hello", 4, params, 0, 0))
     assert draft.candidates == [eos] and drafter.pushed == [] and drafter.forwards == 1
     assert (draft.draft_probs is None) == params.greedy

@@ -13,7 +13,8 @@ import torch
 from deployments import model_threads, workers
 from deployments.config import AppConfig
 from deployments.model_threads import ModelThreads, torch_openmp
-from deployments.workers import DraftMessage, TargetWorker
+from deployments.workers import TargetWorker
+from hetspec.algorithms import Draft
 from hetspec import SamplingParams, SpeculationConfig
 from hetspec.config import ModelConfig
 
@@ -72,7 +73,7 @@ def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(
         def one_request(index: int):
             worker.open(f"r{index}", prompt_ids, "slem", SpeculationConfig(), SamplingParams())
             try:
-                return worker.verify(f"r{index}", DraftMessage())
+                return worker.verify(f"r{index}", Draft())
             finally:
                 worker.close(f"r{index}")
 

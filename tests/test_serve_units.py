@@ -19,7 +19,7 @@ from deployments.grpc_service import to_generation
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
 from deployments.pipeline import _Speculation
 from deployments.sessions import Sessions, SessionLimitReached, UnknownSession
-from deployments.workers import DraftMessage
+from hetspec.algorithms import Draft
 from protos.generate import stale_stubs
 from protos.hetspec.v1 import hetspec_pb2 as pb
 
@@ -205,7 +205,7 @@ class TestGrpcRequests:
         assert _invalid_field(lambda: to_generation(request_message, 9)).startswith(field)
 
 
-def _usable(draft: DraftMessage, assumed: list[int], new_ids: list[int], table=None):
+def _usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
     async def resolve():
         pending = asyncio.get_running_loop().create_future()
         pending.set_result(draft)
@@ -218,21 +218,21 @@ class TestSpeculationHits:
     """A speculative draft assumed its chunk fully accepted and guessed the bonus token with its first token."""
 
     def test_token_draft_hit_drops_the_guess_and_its_probability_row(self):
-        usable = _usable(DraftMessage(candidates=[9, 4, 5], draft_probs="ref"), assumed=[1, 2], new_ids=[1, 2, 9])
+        usable = _usable(Draft(candidates=[9, 4, 5], draft_probs="ref"), assumed=[1, 2], new_ids=[1, 2, 9])
         assert (usable.candidates, usable.draft_probs, usable.first_row) == ([4, 5], "ref", 1)
 
     @pytest.mark.parametrize("new_ids", [[1, 2, 8], [1, 7]], ids=["wrong bonus guess", "chunk rejected"])
     def test_token_draft_miss(self, new_ids):
-        assert _usable(DraftMessage(candidates=[9, 4, 5]), assumed=[1, 2], new_ids=new_ids) is None
+        assert _usable(Draft(candidates=[9, 4, 5]), assumed=[1, 2], new_ids=new_ids) is None
 
     def test_text_draft_hit_keeps_the_text_after_the_bonus_token(self):
         table = {9: b" world"}
-        usable = _usable(DraftMessage(text=b" world, again"), assumed=[1], new_ids=[1, 9], table=table)
+        usable = _usable(Draft(text=b" world, again"), assumed=[1], new_ids=[1, 9], table=table)
         assert usable.text == b", again" and usable.candidates == []
 
     @pytest.mark.parametrize("text", [b" word", b" world"], ids=["disagrees", "nothing after the bonus"])
     def test_text_draft_miss(self, text):
-        assert _usable(DraftMessage(text=text), assumed=[1], new_ids=[1, 9], table={9: b" world"}) is None
+        assert _usable(Draft(text=text), assumed=[1], new_ids=[1, 9], table={9: b" world"}) is None
 
 
 def test_grafana_dashboard_charts_every_metric_and_only_those():

@@ -20,6 +20,7 @@ import hetspec.algorithms.slrs
 from synthetic import chi_square_pvalue, language_model, sequence_distribution, single_thread, tiny_llama
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import DrafterSide, EnumerationBudgetExceeded
+from hetspec.kv import run_alone
 from hetspec.algorithms.slrs import StringLevelRejectionSampling
 from hetspec.models import LanguageModel
 from hetspec.sampling import logits_to_probs
@@ -81,7 +82,10 @@ def slrs_psi(engine: Engine, committed: bytes, lookahead: int, params: SamplingP
     algorithm = StringLevelRejectionSampling(engine.maps, SpeculationConfig(algorithm="slrs",
                                                                             slrs_lookahead=lookahead))
     side = DrafterSide(engine.drafter, engine.drafter.encode_prompt(PROMPT), window=8)
-    draft = algorithm.draft(side, committed, 1, params, first_position=0, draft_round=0)
+    try:
+        draft = run_alone(engine.drafter, algorithm.draft(side, committed, 1, params, first_position=0, draft_round=0))
+    finally:
+        side.release()
     return draft.draft_probs[0]
 
 

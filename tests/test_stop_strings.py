@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from synthetic import drafter_tokenizer, language_model, single_thread, target_tokenizer
 from hetspec import Engine, SamplingParams, SpeculationConfig
-from hetspec.engine import OutputText
+from hetspec.output import OutputText
 from hetspec.vocab import token_bytes
 
 # Multi-character tokens, a two-byte and a three-byte character, and their bytes one by one (a token that is

@@ -7,8 +7,10 @@ import torch
 
 from synthetic import language_model, target_tokenizer
 from hetspec import SamplingParams, SpeculationConfig
-from hetspec.engine import TargetSide
-from hetspec.tree import ROOT, chain_then_tree, tree_attention, trie, walk
+from hetspec.algorithms import ALGORITHM_CLASSES, Draft
+from hetspec.decoder import TargetSide
+from hetspec.kv import run_alone
+from hetspec.tree import ROOT, chain_then_tree, trie, walk
 
 
 def test_trie_shares_prefixes_and_keeps_order():
@@ -41,27 +43,6 @@ def test_chain_then_tree_hangs_the_tree_off_the_last_fed_token():
     tree = trie([[5, 6], [7]])
     assert chain_then_tree(2, tree) == [-1, 0, 1, 2, 1]
     assert chain_then_tree(1, tree) == [-1, 0, 1, 0]
-
-
-def test_tree_attention_sees_the_cache_and_the_ancestors_only():
-    parents = [-1, 0, 0, 1]  # node 3 is a grandchild through node 1, node 2 a sibling of node 1
-    mask, positions = tree_attention(3, parents, torch.float32, torch.device("cpu"))
-    visible = (mask[0, 0] == 0).int().tolist()
-    assert visible == [[1, 1, 1, 1, 0, 0, 0],
-                       [1, 1, 1, 1, 1, 0, 0],
-                       [1, 1, 1, 1, 0, 1, 0],
-                       [1, 1, 1, 1, 1, 0, 1]]
-    assert positions.tolist() == [[3, 4, 4, 5]]
-
-
-def test_tree_attention_applies_the_sliding_window_per_layer_type():
-    masks, positions = tree_attention(6, [-1, 0], torch.float32, torch.device("cpu"),
-                                      layer_types=["sliding_attention", "full_attention"], sliding_window=3)
-    assert positions.tolist() == [[6, 7]]
-    assert (masks["full_attention"][0, 0] == 0).int().tolist() == [[1] * 7 + [0], [1] * 8]
-    # position 6 sees 4..6, position 7 sees 5..7
-    assert (masks["sliding_attention"][0, 0] == 0).int().tolist() == [[0, 0, 0, 0, 1, 1, 1, 0],
-                                                                      [0, 0, 0, 0, 0, 1, 1, 1]]
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +100,11 @@ def test_target_tree_verification_past_gemmas_sliding_window(gemma):
     side.session.extend(prompt_ids[:-1], logits_to_keep=1)  # the invariant: all but the last committed id cached
     wrong = (greedy[1] + 1) % gemma.vocab_size
     tree = trie([[greedy[0], wrong, 5], greedy[:3], [greedy[0], greedy[1], 9]])
-    new_ids = side.verify_tree(tree, SamplingParams(), first_position=0)
+    new_ids = run_alone(gemma, side.verify(ALGORITHM_CLASSES["slem"](None, SpeculationConfig()), Draft(tree=tree),
+                                           SamplingParams()))
     assert new_ids == greedy
     assert side.session.length == len(side.ids) - 1
-    next_logits = side.logits_for([])[-1]
+    next_logits = side.session.extend(side.ids[-1:], logits_to_keep=1)[-1]
     fresh = gemma.new_session().extend(side.ids, logits_to_keep=1)[-1]
     assert torch.allclose(next_logits, fresh, atol=2e-4)
 

@@ -3,6 +3,7 @@
 An algorithm is split into steps on plain data so the in-process engine and the Ray workers run the
 same code (DESIGN.md, "One algorithm, two runtimes"):
 - ``draft``  (drafter side): sync the drafter to the committed text, then propose (fresh drafter noise per draft);
+  a generator of drafter passes, so a batch of requests drafts with one pass per position;
 - ``align``  (string level): turn the proposal into target token ids (SLEM only re-tokenizes);
 - ``verify`` (target side): ``hetspec.verify.verify_candidates``;
 - commit: the target rolls back to the accepted prefix (``TargetSide.commit``), the drafter at its next sync.
@@ -12,31 +13,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Sequence
+from typing import Any, Generator, Sequence
 
 import torch
 
 from hetspec import vocab
 from hetspec.align import DrafterContext
 from hetspec.config import SamplingParams, SpeculationConfig
-from hetspec.models import KVSession, LanguageModel
+from hetspec.kv import Feed, KVSession, Steps
+from hetspec.models import LanguageModel
 from hetspec.tree import TokenTree
 
 
 @dataclass
 class Draft:
-    """One proposal: a chain of target ids (``candidates``) or a tree of them (``tree``).
+    """One proposal: a chain of target ids (``candidates``) or a tree of them (``tree``); the one draft type,
+    in process and between the server's processes.
 
-    ``draft_probs`` is [len(candidates), target_vocab] or None. SLEM drafts strings and ``align`` turns
-    them into target ids: ``text`` for a chain, ``texts`` (one per root-to-leaf branch) for a tree.
+    ``draft_probs`` is [rows, target_vocab] or None; candidate i's row is ``first_row + i`` (a speculative draft
+    used without its first token skips a row). Between processes it is a stored reference (deployments/workers.py).
+    SLEM drafts strings and ``align`` turns them into target ids: ``text`` for a chain, ``texts`` (one per
+    root-to-leaf branch) for a tree.
     """
 
     candidates: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None
+    draft_probs: Any = None
     text: bytes = b""
     texts: list[bytes] = field(default_factory=list)
     tree: TokenTree | None = None
     drafter_forwards: int = 0
+    first_row: int = 0
+    seconds: float = 0.0  # time the drafter took (the server's statistics)
+
+    def candidate_probs(self) -> torch.Tensor | None:
+        """[len(candidates), target_vocab]: the rows the candidates were drawn from."""
+        if self.draft_probs is None:
+            return None
+        return self.draft_probs[self.first_row:self.first_row + len(self.candidates)]
 
     @property
     def proposed_len(self) -> int:
@@ -83,13 +96,14 @@ class DrafterSide:
         kept = self.context.sync(committed)
         self.session.rollback(min(self.session.length, kept))
 
-    def next_logits(self) -> torch.Tensor:
-        """Drafter logits after its whole context.  -> [drafter_vocab]"""
+    def next_logits(self) -> Generator[Feed, torch.Tensor, torch.Tensor]:
+        """Drafter logits after its whole context, from one pass (``yield from`` it).  -> [drafter_vocab]"""
         ids = self.context.ids
         if self.session.length >= len(ids):  # everything cached: re-feed the last token for its logits
             self.session.rollback(len(ids) - 1)
         self.forwards += 1
-        return self.session.extend(ids[self.session.length:], logits_to_keep=1)[0]
+        logits = yield Feed(self.session, ids[self.session.length:], 1)
+        return logits[0]
 
     def release(self) -> None:
         self.session.release()
@@ -110,12 +124,15 @@ class Algorithm:
         return False
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-              first_position: int, draft_round: int) -> Draft:
+              first_position: int, draft_round: int) -> Steps:
         """Propose up to k target tokens for output positions first_position.. after ``committed``.
 
+        A generator (``hetspec.kv.Steps``): it yields each drafter pass it needs and returns the Draft, so
+        many requests draft in lockstep, one batched pass per draft position (``hetspec.kv.run_lockstep``).
         ``draft_round`` numbers this request's drafts (0, 1, ... speculative ones included): the drafter's
         random numbers are keyed by it and the position, so none is ever reused (``hetspec.sampling``)."""
         return Draft()
+        yield  # a generator that needs no pass
 
     def align(self, draft: Draft, committed_target_ids: Sequence[int]) -> Draft:
         return draft

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from hetspec.algorithms.base import Algorithm, Draft, DrafterSide
+from hetspec.kv import Feed, Steps
 from hetspec.align import complete_utf8_length, target_candidates
 from hetspec.config import SamplingParams
 from hetspec.sampling import Stream, logits_to_probs, sample_from, uniform
@@ -30,15 +31,15 @@ class StringLevelExactMatch(Algorithm):
         return True
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-              first_position: int, draft_round: int) -> Draft:
+              first_position: int, draft_round: int) -> Steps:
         if self.speculation.tree_width > 1:
-            return self.draft_tree(drafter, committed, k, params, first_position)
+            return (yield from self.draft_tree(drafter, committed, k, params, first_position))
         drafter.sync(committed)
         forwards_before = drafter.forwards
         table = drafter.context.table
         drafted = bytearray()
         for step in range(k):
-            logits = drafter.next_logits()
+            logits = (yield from drafter.next_logits())
             if params.greedy:
                 probs = torch.softmax(logits, dim=-1) if self.speculation.confidence_threshold else None
                 token = int(torch.argmax(logits))
@@ -57,7 +58,7 @@ class StringLevelExactMatch(Algorithm):
         return Draft(text=usable, drafter_forwards=drafter.forwards - forwards_before)
 
     def draft_tree(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-                   first_position: int) -> Draft:
+                   first_position: int) -> Steps:
         """A beam of ``tree_width`` branches per depth, scored by drafter path probability, that always holds
         the chain ``draft`` would write (so a tree never accepts less than that chain). Depth d is one drafter
         pass over the whole tree so far (tree attention), so a draft of depth k costs k drafter passes."""
@@ -65,7 +66,7 @@ class StringLevelExactMatch(Algorithm):
         forwards_before = drafter.forwards
         table, width = drafter.context.table, self.speculation.tree_width
         threshold = self.speculation.confidence_threshold
-        frontier_logits = drafter.next_logits()[None]  # [frontier, drafter_vocab]
+        frontier_logits = (yield from drafter.next_logits())[None]  # [frontier, drafter_vocab]
         cached = drafter.session.length
         tree = TokenTree()
         log_probs: list[float] = []
@@ -93,7 +94,7 @@ class StringLevelExactMatch(Algorithm):
             if not frontier or depth == k - 1:
                 break
             drafter.forwards += 1
-            frontier_logits = drafter.session.extend_tree(tree.tokens, tree.parents, logits_to_keep=len(frontier))
+            frontier_logits = yield Feed(drafter.session, tree.tokens, len(frontier), tree.parents)
             drafter.session.rollback(cached)
         leaves = sorted(set(range(len(tree))) - set(tree.parents))
         texts = []

@@ -15,12 +15,12 @@ max(0, target - psi)), lossless because psi is exact: never approximated.
 
 from __future__ import annotations
 
-import copy
 import weakref
 
 import torch
 
 from hetspec.algorithms.base import Draft, DrafterSide, PairMaps
+from hetspec.kv import Steps
 from hetspec.algorithms.tli import TokenLevelIntersection
 from hetspec.align import complete_utf8_length
 from hetspec.config import SamplingParams
@@ -60,17 +60,17 @@ class StringLevelRejectionSampling(TokenLevelIntersection):
         return True
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-              first_position: int, draft_round: int) -> Draft:
+              first_position: int, draft_round: int) -> Steps:
         """Alg. 3's proposal, one candidate per step: t ~ psi, then the drafter continues from t's text."""
         if self.lookahead == 1:
-            return super().draft(drafter, committed, k, params, first_position, draft_round)
+            return (yield from super().draft(drafter, committed, k, params, first_position, draft_round))
         drafter.sync(committed)
         forwards_before = drafter.forwards
         candidates: list[int] = []
         rows: list[torch.Tensor] = []
         text = committed
         for step in range(k):
-            psi = lookahead_psi(drafter, self.maps, self.lookahead, params)
+            psi = yield from lookahead_psi(drafter, self.maps, self.lookahead, params)
             if psi is None:
                 break  # every drafter sequence was excluded: nothing to propose
             if params.greedy:
@@ -92,15 +92,15 @@ class StringLevelRejectionSampling(TokenLevelIntersection):
                      drafter_forwards=drafter.forwards - forwards_before)
 
 
-def lookahead_psi(drafter: DrafterSide, maps: PairMaps, lookahead: int,
-                  params: SamplingParams) -> torch.Tensor | None:
+def lookahead_psi(drafter: DrafterSide, maps: PairMaps, lookahead: int, params: SamplingParams) -> Steps:
     """Exact psi after the drafter's context: [target_vocab], sums to 1; None when no sequence is valid.
+    A generator of drafter passes (the first level is a pass of the batch; the others branch this row alone).
 
     Greedy has no sampling distribution; its psi uses the drafter's plain softmax and only its argmax is used.
     """
     candidates = sequence_candidates(maps, lookahead)  # [V^L]
     valid = candidates >= 0
-    probs = sequence_probs(drafter, lookahead, params)[valid]
+    probs = (yield from sequence_probs(drafter, lookahead, params))[valid]
     total = probs.sum()
     if total <= 0:
         return None
@@ -108,7 +108,7 @@ def lookahead_psi(drafter: DrafterSide, maps: PairMaps, lookahead: int,
 
 
 @torch.inference_mode()
-def sequence_probs(drafter: DrafterSide, lookahead: int, params: SamplingParams) -> torch.Tensor:
+def sequence_probs(drafter: DrafterSide, lookahead: int, params: SamplingParams) -> Steps:
     """Probability of every drafter sequence d1..dL after the context.  -> [V^L], index d1*V^(L-1) + ... + dL
 
     Level by level: every prefix with nonzero probability is extended by one batched pass over a copy of
@@ -117,11 +117,11 @@ def sequence_probs(drafter: DrafterSide, lookahead: int, params: SamplingParams)
     model = drafter.model
     has_text = _has_text(drafter)
     vocab_size = model.vocab_size
-    probs = _step_probs(drafter.next_logits(), has_text, params)  # [V]
+    probs = _step_probs((yield from drafter.next_logits()), has_text, params)  # [V]
     prefixes = torch.arange(vocab_size).unsqueeze(1)  # [V, 1]
     for _ in range(lookahead - 1):
         live = probs > 0
-        cache = copy.deepcopy(drafter.session.cache)
+        cache = drafter.session.copy_to_dynamic_cache()
         cache.batch_repeat_interleave(int(live.sum()))
         output = model.model(input_ids=prefixes[live].to(model.device), cache=cache, use_cache=True,
                              logits_to_keep=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from hetspec.algorithms.base import Algorithm, Draft, DrafterSide
+from hetspec.kv import Steps
 from hetspec.config import SamplingParams
 from hetspec.sampling import Stream, logits_to_probs, sample_from, uniform
 
@@ -32,7 +33,7 @@ class TokenLevelIntersection(Algorithm):
         return True
 
     def draft(self, drafter: DrafterSide, committed: bytes, k: int, params: SamplingParams,
-              first_position: int, draft_round: int) -> Draft:
+              first_position: int, draft_round: int) -> Steps:
         drafter.sync(committed)
         forwards_before = drafter.forwards
         mapping = self.drafter_to_target()
@@ -42,7 +43,7 @@ class TokenLevelIntersection(Algorithm):
         rows: list[torch.Tensor] = []
         text = committed
         for step in range(k):
-            logits = drafter.next_logits().masked_fill(~mapped, float("-inf"))
+            logits = (yield from drafter.next_logits()).masked_fill(~mapped, float("-inf"))
             if params.greedy:
                 drafter_id = int(torch.argmax(logits))
                 target_id = int(mapping[drafter_id])

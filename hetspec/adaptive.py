@@ -1,0 +1,84 @@
+"""Load-adaptive draft length: each step's k (0 = plain batched decoding) from measured costs and acceptance.
+
+Speculation pays while the target's pass is nearly free to widen: one pass costs about the same for 1 token
+as for 4. In a batch, every drafted token widens the target pass of every row and every draft position is
+a drafter pass, so at some batch size plain decoding wins. The policy (docs/batching.md):
+
+- cost model, refitted every step by least squares over the recent passes of this decoder:
+  target pass seconds = a + b * tokens fed;  drafter pass seconds = c + d * rows drafting;
+- request r accepts each drafted token with probability alpha_r = (accepted + 1) / (drafted + 2), so a draft
+  of k commits E_r(k) = 1 + alpha_r + ... + alpha_r^k tokens in expectation (1 for k = 0);
+- the step's k maximises  sum_r E_r(min(k, k_r)) / (T(sum_r (1 + min(k, k_r))) + k * D(drafting rows)),
+  with k_r the request's own draft length (``DraftLength``), over k = 0 .. max k_r.
+
+Until both models have been timed at two different widths, it alternates the configured k and k = 0 to
+measure them. It changes which tokens are drafted, never which are output.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+WINDOW = 64  # passes kept for the fit
+
+
+def _fit(samples: deque) -> tuple[float, float] | None:
+    """Least-squares (intercept, slope) of seconds over width; None while the widths do not vary."""
+    if len({width for width, _ in samples}) < 2:
+        return None
+    widths = torch.tensor([[1.0, float(width)] for width, _ in samples])
+    seconds = torch.tensor([[seconds] for _, seconds in samples])
+    intercept, slope = torch.linalg.lstsq(widths, seconds).solution[:, 0].tolist()
+    return max(intercept, 0.0), max(slope, 0.0)
+
+
+class LoadAdaptive:
+    def __init__(self) -> None:
+        self.target_passes: deque = deque(maxlen=WINDOW)  # (tokens fed, seconds)
+        self.drafter_passes: deque = deque(maxlen=WINDOW)  # (rows drafting, seconds per pass)
+        self.target_cost: tuple[float, float] | None = None
+        self.drafter_cost: tuple[float, float] | None = None
+        self.probing = 0
+        self.chosen: list[tuple[int, int]] = []  # (batch size, k) per step, for the statistics
+
+    def choose(self, requests: list, target, drafter) -> dict[int, int]:
+        """Cap on each request's k for this step, by ``id(request)``; {} leaves the requests' own k."""
+        own = {id(request): request.draft_length(request.drafter is not None) for request in requests}
+        largest = max(own.values(), default=0)
+        if largest == 0:
+            return {}
+        if self.target_cost is None or self.drafter_cost is None:
+            self.probing += 1
+            k = largest if self.probing % 2 else 0
+        else:
+            k = max(range(largest + 1), key=lambda k: self._throughput(requests, own, k))
+        self.chosen.append((len(requests), k))
+        return {key: k for key in own}
+
+    def _throughput(self, requests: list, own: dict[int, int], k: int) -> float:
+        tokens, committed, drafting = 0, 0.0, 0
+        for request in requests:
+            length = min(k, own[id(request)])
+            alpha = (request.stats.accepted_tokens + 1) / (request.stats.drafted_tokens + 2)
+            committed += sum(alpha ** index for index in range(length + 1))
+            tokens += 1 + length
+            drafting += length > 0
+        target_seconds = self.target_cost[0] + self.target_cost[1] * tokens
+        drafter_seconds = k * (self.drafter_cost[0] + self.drafter_cost[1] * drafting) if drafting else 0.0
+        return committed / max(target_seconds + drafter_seconds, 1e-9)
+
+    def record(self, requests: list, drafts: list, lengths: list[int], drafter_seconds: float,
+               target_seconds: float) -> None:
+        tokens = sum(1 + len(draft.tree or draft.candidates) for draft in drafts)
+        self.target_passes.append((tokens, target_seconds))
+        passes = max((draft.drafter_forwards for draft in drafts), default=0)
+        drafting = sum(k > 0 for k in lengths)
+        if passes and drafting:
+            self.drafter_passes.append((drafting, drafter_seconds / passes))
+        self.target_cost = _fit(self.target_passes) or self.target_cost
+        if self.drafter_passes:
+            fitted = _fit(self.drafter_passes)
+            mean = sum(seconds for _, seconds in self.drafter_passes) / len(self.drafter_passes)
+            self.drafter_cost = fitted or self.drafter_cost or (mean, 0.0)

@@ -1,0 +1,288 @@
+"""The decode loop, once: a step over a batch of requests (continuous batching), every algorithm.
+
+A step: joining requests are prefilled (in chunks while others decode); every running request that drafts
+gets its draft length; the drafter drafts for all of them in lockstep, one batched pass per draft position
+(``hetspec.kv.run_lockstep``); each draft is aligned to target ids (string level, per request); one
+batched target pass verifies every request's candidates (ragged lengths, chains and trees); each request
+commits its accepted tokens and releases text through its ``OutputText``. Requests join and leave at any
+step boundary. ``Engine`` runs it in process (one request is a batch of one); the server's workers run
+``Request``'s steps too (deployments/).
+
+Every request's random numbers are keyed by its own seed and output position (``hetspec.sampling``), and
+its verification reads only its own row's logits, so batching changes which requests share a pass, never a
+request's rule or its numbers. Batched matrix products may round differently from batch 1; docs/batching.md
+says how the tests tell such a numerical tie from an error.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from hetspec.adaptive import LoadAdaptive
+from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
+from hetspec.align import complete_utf8_length
+from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
+from hetspec.kv import Feed, Steps, forward, run_lockstep
+from hetspec.models import LanguageModel
+from hetspec.output import DraftLength, OutputText, Stats, StreamEvent
+from hetspec.sampling import target_choice
+from hetspec.tree import TokenTree, chain_then_tree, walk
+from hetspec.verify import verify_candidates
+
+
+class TargetSide:
+    """The target's KV session and the committed tokens of one request.
+
+    Invariant between steps: the cache holds every committed id but the last one, which is fed again
+    with the next candidates so that one pass yields the logits of all k+1 positions.
+    """
+
+    def __init__(self, target: LanguageModel, prompt_ids: Sequence[int]):
+        self.model = target
+        self.session = target.new_session()
+        self.ids = list(prompt_ids)
+        self.prompt_len = len(self.ids)
+        self.forwards = 0
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+    def verify(self, algorithm, draft: Draft, params: SamplingParams) -> Steps:
+        """One target pass over the draft, then the acceptance rule; returns the committed ids."""
+        first_position = len(self.ids) - self.prompt_len
+        self.forwards += 1
+        if draft.tree is not None:
+            return (yield from self._verify_tree(draft.tree, params, first_position))
+        logits = yield Feed(self.session, self.ids[self.session.length:] + draft.candidates,
+                            len(draft.candidates) + 1)  # [k+1, vocab]
+        accepted_len, next_token = verify_candidates(
+            draft.candidates, draft.candidate_probs(), logits, params.temperature, params.top_k, params.top_p,
+            params.seed, first_position, exact=algorithm.exact)
+        # Rollback: keep the keys and values of the committed ids and the accepted candidates only.
+        self.session.rollback(len(self.ids) + accepted_len)
+        new_ids = draft.candidates[:accepted_len] + [next_token]
+        self.ids.extend(new_ids)
+        return new_ids
+
+    def _verify_tree(self, tree: TokenTree, params: SamplingParams, first_position: int) -> Steps:
+        """Exact match down a token tree (``hetspec.tree.walk``) in one pass; the cache keeps the accepted branch."""
+        cached, pending = self.session.length, self.ids[self.session.length:]
+        logits = yield Feed(self.session, pending + tree.tokens, len(tree) + 1,
+                            chain_then_tree(len(pending), tree))  # [1 + nodes, vocab]
+        greedy_choices = logits.argmax(dim=-1).tolist() if params.greedy else None
+
+        def choice_at(node: int, depth: int) -> int:
+            row = node + 1  # row 0: after the last committed id
+            if greedy_choices is not None:
+                return greedy_choices[row]
+            return target_choice(logits[row], params.temperature, params.top_k, params.top_p, params.seed,
+                                 first_position + depth)
+
+        accepted, next_token = walk(tree.children(), choice_at)
+        tree_start = cached + len(pending)
+        self.session.keep(list(range(tree_start)) + [tree_start + node for node in accepted])
+        new_ids = [tree.tokens[node] for node in accepted] + [next_token]
+        self.ids.extend(new_ids)
+        return new_ids
+
+    def release(self) -> None:
+        self.session.release()
+
+
+class Progress:
+    """A request's bookkeeping between steps, wherever its passes run: this process (``Request``) or the
+    server's workers (deployments/pipeline.py). Draft length, draft rounds, statistics, output text."""
+
+    def __init__(self, target: LanguageModel, params: SamplingParams, speculation: SpeculationConfig,
+                 stats: Stats):
+        self.params = params
+        self.speculation = speculation
+        self.output = OutputText(target, params)
+        self.stats = stats
+        self.policy = DraftLength(speculation)
+        self.drafts = 0  # the next draft's round (hetspec.sampling: the drafter's numbers are never reused)
+        self.started = time.perf_counter()
+        self.finished = False
+
+    @property
+    def committed(self) -> bytes:
+        return bytes(self.output.generated_bytes)
+
+    @property
+    def position(self) -> int:
+        """Output position of the next token."""
+        return len(self.output.token_ids)
+
+    def draft_length(self, can_draft: bool, cap: int | None = None) -> int:
+        """This step's k: the policy's, within the token budget and ``cap``; 0 when the request does not draft
+        now (no drafter, or the committed text ends inside a UTF-8 character)."""
+        remaining = self.params.max_new_tokens - self.position
+        k = min(self.policy.k, remaining - 1, self.policy.k if cap is None else cap)
+        committed = self.committed
+        if not can_draft or k <= 0 or complete_utf8_length(committed) != len(committed):
+            return 0
+        return k
+
+    def next_round(self) -> int:
+        self.drafts += 1
+        return self.drafts - 1
+
+    def commit(self, drafted: int, new_ids: list[int]) -> StreamEvent:
+        """Account a verified step and release its text; the last event carries the finish reason and statistics."""
+        self.stats.target_forwards += 1
+        self.stats.drafted_tokens += drafted
+        self.stats.accepted_tokens += len(new_ids) - 1
+        self.policy.update(drafted, len(new_ids) - 1)
+        kept_ids, delta, finish = self.output.add(new_ids)
+        self.stats.generated_tokens = len(self.output.token_ids)
+        if finish:
+            self.finished = True
+            self.stats.total_seconds = time.perf_counter() - self.started
+            return StreamEvent(kept_ids, delta, finish, self.stats)
+        return StreamEvent(kept_ids, delta)
+
+
+class Request(Progress):
+    """One request in this process: its progress, its KV sessions, and its part of a step (draft, verify)."""
+
+    def __init__(self, target: LanguageModel, drafter: LanguageModel | None, maps: PairMaps | None,
+                 speculation: SpeculationConfig, params: SamplingParams, target_prompt_ids: list[int],
+                 drafter_prompt_ids: list[int] | None = None, request_id: str = ""):
+        self.request_id = request_id
+        self.algorithm = make_algorithm(speculation.algorithm, maps, speculation, params)
+        self.target = TargetSide(target, target_prompt_ids)
+        self.drafter = None
+        if self.algorithm.needs_drafter:
+            self.drafter = DrafterSide(drafter, drafter_prompt_ids, speculation.alignment_window)
+        super().__init__(target, params, speculation,
+                         Stats(algorithm=self.algorithm.name, prompt_tokens=self.target.prompt_len))
+
+    def draft(self, k: int) -> Steps:
+        """The algorithm's draft (drafter passes) aligned to target ids; k = 0: an empty draft, no pass."""
+        if k == 0:
+            return Draft()
+        draft = yield from self.algorithm.draft(self.drafter, self.committed, k, self.params, self.position,
+                                                self.next_round())
+        tick = time.perf_counter()
+        draft = self.algorithm.align(draft, self.target.ids)
+        self.stats.alignment_seconds += time.perf_counter() - tick
+        self.stats.drafter_forwards += draft.drafter_forwards
+        return draft
+
+    def verify(self, draft: Draft) -> Steps:
+        return (yield from self.target.verify(self.algorithm, draft, self.params))
+
+    def prefill_feeds(self, budget: int) -> tuple[list[Feed], list[Feed], int]:
+        """(target feeds, drafter feeds, tokens used): up to ``budget`` prompt tokens of each model, all but
+        the last id (the first verify pass feeds it, as the invariant wants)."""
+        feeds = []
+        for side in (self.target, self.drafter):
+            if side is None:
+                feeds.append([])
+                continue
+            ids = side.ids if side is self.target else side.context.ids
+            todo = ids[side.session.length:len(ids) - 1][:budget]
+            feeds.append([Feed(side.session, todo, 1)] if todo else [])
+        used = max((len(feed.token_ids) for group in feeds for feed in group), default=0)
+        return feeds[0], feeds[1], used
+
+    @property
+    def prefilled(self) -> bool:
+        sides = [(self.target.session, self.target.ids)]
+        if self.drafter is not None:
+            sides.append((self.drafter.session, self.drafter.context.ids))
+        return all(session.length >= len(ids) - 1 for session, ids in sides)
+
+    def release(self) -> None:
+        self.target.release()
+        if self.drafter is not None:
+            self.drafter.release()
+
+
+class BatchDecoder:
+    """Runs steps over the requests added to it; a request leaves when it finishes or is cancelled."""
+
+    def __init__(self, target: LanguageModel, drafter: LanguageModel | None = None,
+                 batching: BatchingConfig | None = None, load_adaptive: bool = False):
+        self.target = target
+        self.drafter = drafter
+        self.batching = batching or BatchingConfig()
+        self.adaptive = LoadAdaptive() if load_adaptive else None
+        self.joining: list[Request] = []
+        self.running: list[Request] = []
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.joining) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        if len(self) >= self.batching.max_batch_size:
+            raise RuntimeError(f"the batch is full ({self.batching.max_batch_size} requests)")
+        self.joining.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Leave now: the request's rows of both KV caches are freed at once."""
+        for group in (self.joining, self.running):
+            if request in group:
+                group.remove(request)
+        request.release()
+
+    def step(self) -> list[tuple[Request, StreamEvent]]:
+        """One step for every request; returns the events of the requests that released something or finished."""
+        self.steps += 1
+        self._prefill()
+        if not self.running:
+            return []
+        running = list(self.running)
+        caps = self.adaptive.choose(running, self.target, self.drafter) if self.adaptive else {}
+        lengths = [request.draft_length(request.drafter is not None, caps.get(id(request))) for request in running]
+        drafting = [index for index, k in enumerate(lengths) if k > 0]
+        drafts = [Draft() for _ in running]
+        tick = time.perf_counter()
+        if drafting:
+            made = run_lockstep(self.drafter, [running[index].draft(lengths[index]) for index in drafting])
+            for index, draft in zip(drafting, made):
+                drafts[index] = draft
+        drafter_seconds = time.perf_counter() - tick
+        tick = time.perf_counter()
+        committed = run_lockstep(self.target, [request.verify(draft) for request, draft in zip(running, drafts)])
+        target_seconds = time.perf_counter() - tick
+        if self.adaptive:
+            self.adaptive.record(running, drafts, lengths, drafter_seconds, target_seconds)
+        events = []
+        for index, (request, draft, new_ids) in enumerate(zip(running, drafts, committed)):
+            request.stats.drafter_seconds += drafter_seconds if index in drafting else 0.0
+            request.stats.target_seconds += target_seconds
+            request.stats.batch_rows += len(running)
+            request.stats.chosen_draft_tokens += lengths[index]
+            event = request.commit(draft.proposed_len, new_ids)
+            if event.token_ids or event.text or event.finish_reason:
+                events.append((request, event))
+            if request.finished:
+                self.running.remove(request)
+                request.release()
+        return events
+
+    def _prefill(self) -> None:
+        """Prompt passes for the joining requests: whole when nobody decodes, else a chunk per step."""
+        if not self.joining:
+            return
+        budget = self.batching.prefill_chunk_tokens if self.running else 1 << 30
+        target_feeds, drafter_feeds = [], []
+        for request in list(self.joining):
+            if budget <= 0:
+                break
+            targets, drafters, used = request.prefill_feeds(budget)
+            target_feeds += targets
+            drafter_feeds += drafters
+            budget -= used
+        if target_feeds:
+            forward(self.target, target_feeds)
+        if drafter_feeds:
+            forward(self.drafter, drafter_feeds)
+        for request in list(self.joining):
+            if request.prefilled:
+                self.joining.remove(request)
+                self.running.append(request)

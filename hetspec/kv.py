@@ -1,0 +1,379 @@
+"""One KV cache per model, shared by its requests: each request holds a row, batched passes feed many rows.
+
+Layout: per layer a preallocated keys and a values buffer [rows, kv_heads, capacity, head_dim]. A request
+(``KVSession``) owns one row and a length: its tokens sit in slots 0..length-1 of that row, in order, so
+slot = position. Rollback to the accepted prefix only lowers the length (nothing is copied); a token
+tree's accepted path is compacted inside the row (``keep``). A batched pass (``forward``) feeds a ragged
+set of rows: row b's n_b new tokens are written at slots length_b.., the pass attends to slots
+0..max(length_b + n) through an explicit mask, so different lengths, candidate counts and trees share
+one pass. Nothing is copied per step, except the rows' used slots when a pass's rows are not contiguous.
+
+Why not transformers' ``DynamicCache`` per request (what this replaced): a batched pass needs one tensor
+over all rows, so per-request caches would be stacked (copied) every step, and ``DynamicCache`` itself
+concatenates (copies) the whole cache on every update. Why not transformers' paged continuous-batching
+cache: it is tied to its own scheduler and attention kernels and has no rollback of rejected tokens.
+
+Sliding-window layers (Gemma 3) keep every slot too: the mask hides keys ``sliding_window`` or more
+positions behind the query, as the model's own mask does, so a rollback is possible at any length.
+The price is memory that grows with the context instead of being capped at the window.
+
+Capacity (slots per row) and rows grow by doubling (one copy, amortized); the buffers are freed when the
+last session closes. Memory per token: ``bytes_per_token``; per request: ``KVSession.nbytes``.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+if TYPE_CHECKING:
+    from hetspec.models import LanguageModel
+
+
+class _SharedExclusive:
+    """Many passes at once (they write disjoint rows), or one resize alone."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._exclusive)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._shared -= 1
+                self._condition.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._condition:
+            self._condition.wait_for(lambda: not self._exclusive and self._shared == 0)
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._exclusive = False
+                self._condition.notify_all()
+
+
+class KVPool:
+    """The buffers of one model and which rows are taken."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        config = model.config.get_text_config()
+        self.layers = config.num_hidden_layers
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.dtype = model.get_input_embeddings().weight.dtype  # int8-quantized models keep float32 activations
+        self.device = device
+        self.layer_types: list[str] | None = getattr(config, "layer_types", None)
+        self.sliding_window: int | None = getattr(config, "sliding_window", None)
+        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+        self.rows = 0
+        self.capacity = 0
+        self.taken: set[int] = set()
+        self.guard = _SharedExclusive()
+        self._rows_lock = threading.Lock()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Keys and values of one token over all layers."""
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * element
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.rows * self.capacity * self.bytes_per_token
+
+    def take_row(self) -> int:
+        with self._rows_lock:
+            row = next(index for index in range(len(self.taken) + 1) if index not in self.taken)
+            self.taken.add(row)
+        self.reserve(row + 1, self.capacity)
+        return row
+
+    def give_row(self, row: int) -> None:
+        with self._rows_lock:
+            self.taken.discard(row)
+            empty = not self.taken
+        if empty:
+            with self.guard.exclusive():
+                if not self.taken:  # nobody took a row meanwhile: free the memory
+                    self.keys, self.values, self.rows, self.capacity = [], [], 0, 0
+
+    @torch.inference_mode()
+    def reserve(self, rows: int, capacity: int) -> None:
+        """At least ``rows`` rows of ``capacity`` slots; growth doubles and copies the used buffers once."""
+        if rows <= self.rows and capacity <= self.capacity:
+            return
+        with self.guard.exclusive():
+            new_rows = max(self.rows, rows if rows <= self.rows else max(rows, 2 * self.rows))
+            new_capacity = max(self.capacity, capacity if capacity <= self.capacity else max(capacity, 2 * self.capacity, 64))
+            if new_rows == self.rows and new_capacity == self.capacity:
+                return
+            shape = (new_rows, self.kv_heads, new_capacity, self.head_dim)
+            for buffers in (self.keys, self.values):
+                old = list(buffers) or [None] * self.layers
+                buffers.clear()
+                for previous in old:
+                    grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                    if previous is not None:
+                        grown[:previous.shape[0], :, :previous.shape[2]] = previous
+                    buffers.append(grown)
+            self.rows, self.capacity = new_rows, new_capacity
+
+
+class _RowLayer(CacheLayerMixin):
+    """One layer of one pass: writes the new keys/values into the rows' slots, returns the rows' used slots."""
+
+    is_sliding = False
+
+    def __init__(self, pool: KVPool, index: int, pass_: "_Pass"):
+        super().__init__()
+        self.pool, self.index, self.pass_ = pool, index, pass_
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # the pool preallocates
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states: [batch, kv_heads, fed, head_dim]
+        pass_ = self.pass_
+        keys, values = self.pool.keys[self.index], self.pool.values[self.index]
+        keys[pass_.row_index, :, pass_.slots] = key_states.transpose(1, 2).to(keys.dtype)
+        values[pass_.row_index, :, pass_.slots] = value_states.transpose(1, 2).to(values.dtype)
+        return pass_.read(keys), pass_.read(values)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.pass_.used, 0
+
+    def get_seq_length(self) -> int:
+        return self.pass_.used - self.pass_.fed
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _Pass(Cache):
+    """The cache a batched forward pass sees: a view of some rows of the pool."""
+
+    def __init__(self, pool: KVPool, rows: list[int], slots: torch.Tensor, used: int):
+        self.pool = pool
+        self.rows_list = rows
+        self.row_index = torch.tensor(rows, dtype=torch.long, device=pool.device)[:, None]  # [batch, 1]
+        self.slots = slots  # [batch, fed]
+        self.fed = slots.shape[1]
+        self.used = used
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        self.row_slice = slice(rows[0], rows[0] + len(rows)) if contiguous else None
+        super().__init__(layers=[_RowLayer(pool, index, self) for index in range(pool.layers)])
+
+    def read(self, buffer: torch.Tensor) -> torch.Tensor:  # -> [batch, kv_heads, used, head_dim]
+        if self.row_slice is not None:
+            return buffer[self.row_slice, :, :self.used]  # a view: nothing copied
+        return buffer[:, :, :self.used].index_select(0, self.row_index[:, 0])
+
+
+@dataclass
+class Feed:
+    """Tokens to feed after a session's cached ones and how many of their logits to return.
+
+    ``parents`` makes the tokens a tree (``hetspec.tree``: index of each token's parent among these tokens,
+    -1 for the cache's last token); None feeds a chain. Row i of the logits predicts the token after
+    ``token_ids[len(token_ids) - logits_to_keep + i]``.
+    """
+
+    session: "KVSession"
+    token_ids: list[int]
+    logits_to_keep: int = 1
+    parents: list[int] | None = None
+
+
+class KVSession:
+    """One request's cache on one model: a row of the model's ``KVPool``; ``length`` tokens are cached."""
+
+    def __init__(self, language_model: "LanguageModel"):
+        self.language_model = language_model
+        self.row: int | None = None
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of keys and values this request's tokens hold."""
+        return self.length * self.language_model.kv_pool.bytes_per_token
+
+    def extend(self, token_ids: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
+        """Feed ``token_ids`` after the cached ones (a pass of this row alone).  -> [kept, vocab] float32"""
+        kept = len(token_ids) if logits_to_keep is None else logits_to_keep
+        return forward(self.language_model, [Feed(self, list(token_ids), kept)])[0]
+
+    def extend_tree(self, token_ids: list[int], parents: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
+        """Feed a token tree (``Feed.parents``); its slots stay in feeding order until ``keep``.  -> [kept, vocab]"""
+        if len(parents) != len(token_ids):
+            raise ValueError("extend_tree needs one parent per token")
+        kept = len(token_ids) if logits_to_keep is None else logits_to_keep
+        return forward(self.language_model, [Feed(self, list(token_ids), kept, list(parents))])[0]
+
+    @torch.inference_mode()
+    def keep(self, positions: list[int]) -> None:
+        """Keep only the cached tokens at ``positions`` (increasing), in that order: one path of a fed tree."""
+        if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and positions[-1] >= self.length):
+            raise ValueError(f"positions to keep must increase and lie below {self.length}")
+        start = next((index for index, position in enumerate(positions) if position != index), len(positions))
+        if start < len(positions):  # move only the tail that changes place, inside this row
+            pool = self.language_model.kv_pool
+            index = torch.tensor(positions[start:], dtype=torch.long, device=pool.device)
+            with pool.guard.shared():
+                for buffer in pool.keys + pool.values:
+                    buffer[self.row, :, start:len(positions)] = buffer[self.row].index_select(1, index)
+        self.length = len(positions)
+
+    def rollback(self, length: int) -> None:
+        """Drop every cached token after the first ``length`` (a rejected draft's keys and values)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back a cache of {self.length} tokens to {length}")
+        self.length = length
+
+    @torch.inference_mode()
+    def copy_to_dynamic_cache(self) -> DynamicCache:
+        """This row's cached tokens as a transformers ``DynamicCache`` of batch 1 (a copy), for passes that
+        branch the context many ways at once (SLRS's lookahead enumeration)."""
+        pool = self.language_model.kv_pool
+        cache = DynamicCache()
+        with pool.guard.shared():
+            for layer in range(pool.layers):
+                cache.update(pool.keys[layer][self.row:self.row + 1, :, :self.length].clone(),
+                             pool.values[layer][self.row:self.row + 1, :, :self.length].clone(), layer)
+        return cache
+
+    def release(self) -> None:
+        if self.row is not None:
+            self.language_model.kv_pool.give_row(self.row)
+        self.row, self.length = None, 0
+
+
+def _ancestors(parents: Sequence[int]) -> torch.Tensor:
+    """[count, count] bool: token i sees token j (j is i or an ancestor of i among the fed tokens)."""
+    seen = torch.eye(len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            seen[node] |= seen[parent]
+    return seen
+
+
+def _depths(parents: Sequence[int]) -> torch.Tensor:  # [count] offset of each fed token from the first
+    depth = torch.zeros(len(parents), dtype=torch.long)
+    for node, parent in enumerate(parents):
+        depth[node] = depth[parent] + 1 if parent >= 0 else 0
+    return depth
+
+
+@torch.inference_mode()
+def forward(language_model: "LanguageModel", feeds: list[Feed]) -> list[torch.Tensor]:
+    """One batched pass over the feeds' sessions (distinct) of ``language_model``.
+
+    Each feed is placed at the end of its query row (left padding), so the kept logits of every row are
+    the pass's last ``max(logits_to_keep)``. Padding queries see only their own slot, beyond the row's
+    length, so they change nothing. Returns per feed its float32 logits  # [logits_to_keep, vocab]
+    """
+    if not feeds or any(not feed.token_ids for feed in feeds):
+        raise ValueError("every feed needs at least one token")
+    if len({id(feed.session) for feed in feeds}) != len(feeds):
+        raise ValueError("a pass feeds each session at most once")
+    pool = language_model.kv_pool
+    for feed in feeds:
+        if feed.session.row is None:
+            feed.session.row = pool.take_row()
+    order = sorted(range(len(feeds)), key=lambda index: feeds[index].session.row)  # contiguous rows read as a view
+    feeds = [feeds[index] for index in order]
+    fed = max(len(feed.token_ids) for feed in feeds)
+    lengths = torch.tensor([feed.session.length for feed in feeds])  # [batch]
+    used = int(lengths.max()) + fed
+    pool.reserve(max(feed.session.row for feed in feeds) + 1, used)
+    counts = torch.tensor([len(feed.token_ids) for feed in feeds])  # [batch]
+    input_ids = torch.tensor([[0] * (fed - len(feed.token_ids)) + feed.token_ids for feed in feeds])  # [batch, fed]
+    query = torch.arange(fed)[None, :]
+    pad = (fed - counts)[:, None]
+    real = query >= pad  # [batch, fed]; padding queries come first
+    # a real query's slot follows the row's tokens; a padding query writes a scratch slot past them
+    slots = torch.where(real, lengths[:, None] + query - pad, lengths[:, None] + counts[:, None] + query)
+    keys = torch.arange(used)
+    # a chain query sees every slot up to its own; a padding query only its own
+    visible = torch.where(real[:, :, None], keys <= slots[:, :, None], keys == slots[:, :, None])  # [batch, fed, used]
+    query_positions = slots.clone()  # slot = position, except inside a tree
+    key_positions = keys.repeat(len(feeds), 1)  # [batch, used]
+    for b, feed in enumerate(feeds):
+        if feed.parents is None:
+            continue
+        count, length, first = len(feed.token_ids), int(lengths[b]), fed - len(feed.token_ids)
+        tree_positions = length + _depths(feed.parents)
+        query_positions[b, first:] = tree_positions
+        key_positions[b, length:length + count] = tree_positions
+        visible[b, first:, length:length + count] = _ancestors(feed.parents)
+    masks = {}
+    layer_types = pool.layer_types or ["full_attention"]
+    for layer_type in set(layer_types):
+        allowed = visible
+        if layer_type == "sliding_attention" and pool.sliding_window:
+            # a query sees itself: its key's position is its own, always inside the window
+            allowed = visible & (key_positions[:, None, :] > query_positions[:, :, None] - pool.sliding_window)
+        mask = torch.zeros(allowed.shape, dtype=pool.dtype).masked_fill_(~allowed, torch.finfo(pool.dtype).min)
+        masks[layer_type] = mask[:, None].to(pool.device)  # [batch, 1, fed, used]
+    kept = max(feed.logits_to_keep for feed in feeds)
+    device = pool.device
+    with pool.guard.shared():
+        cache = _Pass(pool, [feed.session.row for feed in feeds], slots.to(device), used)
+        output = language_model.model(
+            input_ids=input_ids.to(device), cache=cache, use_cache=True, position_ids=query_positions.to(device),
+            attention_mask=masks if pool.layer_types else masks["full_attention"], logits_to_keep=kept)
+    logits = output.logits  # [batch, kept, vocab]
+    results: list[torch.Tensor] = [None] * len(feeds)  # type: ignore[list-item]
+    for b, feed in enumerate(feeds):
+        feed.session.length += len(feed.token_ids)
+        results[order[b]] = logits[b, kept - feed.logits_to_keep:].float()
+    return results
+
+
+# A computation that needs model passes: it yields a Feed, gets back that feed's logits, and returns its result.
+Steps = Generator[Feed, torch.Tensor, Any]
+
+
+def run_lockstep(language_model: "LanguageModel", computations: Sequence[Steps]) -> list[Any]:
+    """Run several requests' computations with one batched pass per round: every computation that waits for
+    logits is fed in the same pass (a draft of k tokens costs k passes for all requests together)."""
+    results: list[Any] = [None] * len(computations)
+    waiting: dict[int, Feed] = {}
+
+    def advance(index: int, logits: torch.Tensor | None) -> None:
+        try:
+            waiting[index] = computations[index].send(logits)
+        except StopIteration as finished:
+            waiting.pop(index, None)
+            results[index] = finished.value
+
+    for index in range(len(computations)):
+        advance(index, None)
+    while waiting:
+        indices = list(waiting)
+        for index, logits in zip(indices, forward(language_model, [waiting[index] for index in indices])):
+            advance(index, logits)
+    return results
+
+
+def run_alone(language_model: "LanguageModel", computation: Steps) -> Any:
+    """One request's computation, one pass per feed (a batch of one)."""
+    return run_lockstep(language_model, [computation])[0]

@@ -1,0 +1,201 @@
+"""Batched decoding (hetspec/decoder.py, hetspec/kv.py) is exact: every request of a batch gets the tokens the
+target alone gives it at batch size 1.
+
+Greedy in float32 on the real pair (Gemma 3 270M target, SmolLM2 135M drafter): batches that mix prompt
+lengths, algorithms and parameters, requests that join mid-way (a batch of 3 slots for 7 requests) and leave
+early. The reference is transformers' own greedy ``generate`` of the target alone, batch size 1, so it shares
+no code with what is tested. Batched matrix products may round differently from batch 1: where a token
+differs, the target's top-2 logit margin at the first differing position (from a batch-1 pass over the
+common prefix) must be below TIE_MARGIN, i.e. the two tokens were tied to float32 rounding; any other
+difference fails. The count of such ties is printed (``-s``) and bounded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from synthetic import drafter_tokenizer, language_model, target_tokenizer
+from hetspec import Engine, SamplingParams, SpeculationConfig
+from hetspec.config import BatchingConfig
+from hetspec.decoder import BatchDecoder
+from hetspec.kv import Feed, forward
+
+TIE_MARGIN = 1e-4
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "1, 2, 3, 4, 5,",
+    "Q: What is the boiling point of water?\nA:",
+    "import numpy as np\n\n# a function that normalises the rows of a matrix\ndef",
+    "Roses are red,",
+]
+# mixed algorithms and parameters in one batch: budgets, stop strings, trees, adaptive k
+REQUESTS = [
+    ("slem", {"max_new_tokens": 24}, {}),
+    ("tli", {"max_new_tokens": 9}, {}),
+    ("ar", {"max_new_tokens": 20}, {}),
+    ("slrs", {"max_new_tokens": 16, "stop": [" the "]}, {}),
+    ("slem", {"max_new_tokens": 18}, {"tree_width": 3, "draft_tokens": 4}),
+    ("slem", {"max_new_tokens": 12}, {"adaptive": True, "draft_tokens": 2}),
+    ("tli", {"max_new_tokens": 22}, {"draft_tokens": 3}),
+]
+
+
+def reference_greedy(target, prompt: str, max_new_tokens: int) -> list[int]:
+    """The target alone at batch size 1, by transformers' own generate (EOS ends it, as in hetspec)."""
+    prompt_ids = target.encode_prompt(prompt)
+    with torch.inference_mode():
+        output = target.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                       eos_token_id=sorted(target.eos_token_ids), pad_token_id=0)
+    return output[0, len(prompt_ids):].tolist()
+
+
+def top2_margin(target, prompt_ids: list[int], prefix: list[int]) -> float:
+    with torch.inference_mode():
+        logits = target.model(input_ids=torch.tensor([prompt_ids + prefix])).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_against_reference(target, prompt: str, token_ids: list[int], reference: list[int], ties: list) -> None:
+    """Equal, or a continuation that first differs at a numerical tie (then the rest is not compared)."""
+    common = next((index for index, (a, b) in enumerate(zip(token_ids, reference)) if a != b), None)
+    if common is None:
+        assert token_ids == reference[:len(token_ids)], f"{prompt!r}: {token_ids} vs {reference}"
+        return
+    margin = top2_margin(target, target.encode_prompt(prompt), reference[:common])
+    assert margin < TIE_MARGIN, f"{prompt!r}: differs at {common} where the target's top-2 margin is {margin}"
+    ties.append((prompt, common, margin))
+
+
+@pytest.fixture(scope="module")
+def engine(gemma, smollm):
+    return Engine(gemma, smollm, batching=BatchingConfig(max_batch_size=3, prefill_chunk_tokens=8))
+
+
+def test_a_continuous_batch_of_mixed_requests_equals_the_target_alone(engine, gemma):
+    params = [SamplingParams(**sampling) for _, sampling, _ in REQUESTS]
+    speculation = [SpeculationConfig(algorithm=algorithm, **options) for algorithm, _, options in REQUESTS]
+    results = [None] * len(PROMPTS)
+    # one decoder, 3 slots: requests join as others leave, prompts are prefilled in 8-token chunks meanwhile
+    decoder = BatchDecoder(gemma, engine.drafter, engine.batching)
+    requests = [engine.request(prompt, params[index], speculation=speculation[index], request_id=str(index))
+                for index, prompt in enumerate(PROMPTS)]
+    queue, pieces, sizes = list(requests), {index: [] for index in range(len(PROMPTS))}, set()
+    while queue or len(decoder):
+        while queue and len(decoder) < 3:
+            decoder.add(queue.pop(0))
+        sizes.add(len(decoder.running))
+        for request, event in decoder.step():
+            pieces[int(request.request_id)].extend(event.token_ids)
+            if event.finish_reason:
+                results[int(request.request_id)] = (pieces[int(request.request_id)], event)
+    assert sizes >= {2, 3}, "requests must have decoded together"
+    ties = []
+    for index, prompt in enumerate(PROMPTS):
+        token_ids, event = results[index]
+        reference = reference_greedy(gemma, prompt, params[index].max_new_tokens)
+        if params[index].stop:  # the stop string cuts the text; the reference runs to the budget
+            assert event.finish_reason in ("stop", "length")
+        check_against_reference(gemma, prompt, token_ids, reference, ties)
+        assert event.stats.mean_batch_size > 1
+    print(f"\nbatched greedy vs batch 1: {len(ties)} numerical ties in {len(PROMPTS)} requests: {ties}")
+    assert len(ties) <= 1
+    assert gemma.kv_pool.taken == set() and engine.drafter.kv_pool.taken == set()
+
+
+def test_generate_batch_keeps_the_order_and_equals_generate(engine):
+    params = [SamplingParams(max_new_tokens=10), SamplingParams(max_new_tokens=6, temperature=0.9, seed=4),
+              SamplingParams(max_new_tokens=8, temperature=0.7, top_k=20, seed=1)]
+    prompts = PROMPTS[:3]
+    batched = engine.generate_batch(prompts, params, speculation={"algorithm": "slem"})
+    alone = [engine.generate(prompt, p, speculation={"algorithm": "slem"}) for prompt, p in zip(prompts, params)]
+    assert [result.token_ids for result in batched] == [result.token_ids for result in alone]
+    assert [result.text for result in batched] == [result.text for result in alone]
+    assert batched[0].stats.mean_batch_size > 1
+
+
+def test_seeded_slem_in_a_batch_reproduces_the_target_alone_seed_for_seed(engine):
+    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed) for seed in range(6)]
+    prompts = [PROMPTS[seed % 3] for seed in range(6)]
+    slem = engine.generate_batch(prompts, params, speculation={"algorithm": "slem"})
+    target_alone = engine.generate_batch(prompts, params, speculation={"algorithm": "ar"})
+    assert [result.token_ids for result in slem] == [result.token_ids for result in target_alone]
+
+
+def test_a_bad_prompt_is_refused_before_any_work(engine, gemma):
+    with pytest.raises(ValueError, match=r"prompts\[1\]"):
+        engine.generate_batch(["fine", ""], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="params"):
+        engine.generate_batch(["a", "b"], [SamplingParams()])
+    assert gemma.kv_pool.taken == set()
+
+
+def test_cancelling_mid_batch_frees_the_rows_at_once_and_leaves_the_others_unchanged(engine, gemma, smollm):
+    params = SamplingParams(max_new_tokens=10)
+    alone = [engine.generate(prompt, params, speculation={"algorithm": "slem"}).token_ids for prompt in PROMPTS[:3]]
+    decoder = BatchDecoder(gemma, smollm, engine.batching)
+    requests = [engine.request(prompt, params, speculation={"algorithm": "slem"}, request_id=str(index))
+                for index, prompt in enumerate(PROMPTS[:3])]
+    for request in requests:
+        decoder.add(request)
+    outputs = {index: [] for index in range(3)}
+    for request, event in decoder.step() + decoder.step():
+        outputs[int(request.request_id)].extend(event.token_ids)
+    rows_before = len(gemma.kv_pool.taken)
+    decoder.cancel(requests[1])
+    assert len(gemma.kv_pool.taken) == rows_before - 1 and requests[1].target.session.row is None
+    assert requests[1].drafter.session.row is None
+    while len(decoder):
+        for request, event in decoder.step():
+            outputs[int(request.request_id)].extend(event.token_ids)
+    assert outputs[0] == alone[0] and outputs[2] == alone[2]
+    assert gemma.kv_pool.taken == set() and gemma.kv_pool.reserved_bytes == 0
+
+
+def test_load_adaptive_draft_length_changes_speed_only(engine, gemma):
+    speculation = SpeculationConfig(algorithm="slem", load_adaptive=True)
+    params = SamplingParams(max_new_tokens=16)
+    adaptive = engine.generate_batch(PROMPTS[:3], params, speculation=speculation)
+    fixed = engine.generate_batch(PROMPTS[:3], params, speculation={"algorithm": "slem"})
+    assert [result.token_ids for result in adaptive] == [result.token_ids for result in fixed]
+    assert all(0 <= result.stats.mean_draft_length <= 5 for result in adaptive)
+
+
+def test_ragged_passes_past_gemmas_sliding_window_equal_one_full_pass(gemma):
+    """Rows of different lengths (one past the 512-token window) in one pass, a rollback, and a tree: each row's
+    logits equal a plain forward of that row's tokens alone."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 20000, (620,), generator=generator).tolist()
+    with torch.inference_mode():
+        full = gemma.model(input_ids=torch.tensor([ids])).logits[0].float()
+    long, short = gemma.new_session(), gemma.new_session()
+    try:
+        long.extend(ids[:600], 1)
+        short.extend(ids[:40], 1)
+        long_logits, short_logits = forward(gemma, [Feed(long, ids[600:605], 5), Feed(short, ids[40:41], 1)])
+        assert torch.allclose(long_logits, full[600:605], atol=2e-4)
+        assert torch.allclose(short_logits, full[40:41], atol=2e-4)
+        long.rollback(602)
+        assert torch.allclose(long.extend(ids[602:620], 2), full[618:620], atol=2e-4)
+        assert long.nbytes == 620 * gemma.kv_pool.bytes_per_token
+    finally:
+        long.release()
+        short.release()
+
+
+def test_batched_sampling_equals_batch_one_seed_for_seed_on_synthetic_models():
+    """SD-style rejection sampling (TLI) and SLRS: a request's numbers are its own, so a batch samples what batch 1
+    samples, seed for seed (tests/test_distribution.py checks these samples' distribution)."""
+    target = language_model("target", target_tokenizer(), seed=0)
+    engine = Engine(target, language_model("drafter", drafter_tokenizer(), seed=1),
+                    batching=BatchingConfig(max_batch_size=8))
+    for algorithm in ("tli", "slrs"):
+        params = [SamplingParams(max_new_tokens=5, temperature=0.8, top_k=5, seed=seed, ignore_eos=True)
+                  for seed in range(24)]
+        batched = engine.generate_batch(["ab c"] * 24, params, speculation={"algorithm": algorithm, "draft_tokens": 3})
+        alone = [engine.generate("ab c", p, speculation={"algorithm": algorithm, "draft_tokens": 3}) for p in params]
+        assert [result.token_ids for result in batched] == [result.token_ids for result in alone]
