@@ -240,3 +240,28 @@ def test_serve_bench_in_process_runs_the_configs_pair_like_the_library():
     assert timing.tokens == 8 and timing.stats["generated_tokens"] == 8 and timing.first_token_seconds > 0
     reference = Engine(library.engine.target).generate("def add(a, b):", {"max_new_tokens": 8})
     assert timing.token_ids == reference.token_ids
+
+
+def test_batch_bench_end_to_end_on_the_small_pair(tmp_path):
+    """Every method at batch sizes 1 and 2, 6 greedy float32 tokens: table, plot, and batched == batch 1."""
+    from benchmarks import batch_bench
+
+    threads = torch.get_num_threads()
+    try:
+        status = batch_bench.main(["--target", "gemma3-270m", "--drafter", "smollm2-135m", "--dtype", "float32",
+                                   "--drafter-quantize", "none", "--batch-sizes", "1", "2", "--max-new-tokens", "6",
+                                   "--threads", "1", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert status == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert [row["batch_size"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        methods = row["methods"]
+        assert set(methods) == {"hf-batched", "hetspec-ar", "hetspec-slem", "hetspec-slem-adaptive",
+                                "hetspec-slem-one-at-a-time"}
+        for name, entry in methods.items():
+            assert entry["tokens_per_second"] > 0
+            if name != "hf-batched":  # transformers' padded batch may round differently; ours is compared exactly
+                assert entry["equal_to_batch_1"] == row["batch_size"], name
+    assert (tmp_path / "throughput.png").stat().st_size > 0 and "| 2 |" in (tmp_path / "README.md").read_text()
