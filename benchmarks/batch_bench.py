@@ -155,7 +155,7 @@ def markdown(result: dict, algorithm: str) -> str:
         lines.append(f"| {row['batch_size']} | " + " | ".join(f"{rate[name]:.2f}" for name in names)
                      + f" | {fixed / rate['hf-batched']:.2f}x | {fixed / rate['hetspec-ar']:.2f}x"
                      f" | {adaptive / rate['hf-batched']:.2f}x | {adaptive / rate['hetspec-ar']:.2f}x | {mean_k:.2f} |")
-    lines += ["", "Requests whose tokens equal the one-at-a-time run's (greedy; a difference is a bf16 rounding tie):", ""]
+    lines += ["", "Requests whose tokens equal the one-at-a-time run's (greedy; a difference is a rounding tie):", ""]
     for row in result["rows"]:
         lines.append(f"- batch {row['batch_size']}: " + ", ".join(
             f"{name} {entry['equal_to_batch_1']}/{row['batch_size']}" for name, entry in row["methods"].items()))

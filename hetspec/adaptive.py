@@ -6,13 +6,16 @@ a drafter pass, so at some batch size plain decoding wins. The policy (docs/batc
 
 - cost model, refitted every step by least squares over the recent passes of this decoder:
   target pass seconds = a + b * tokens fed;  drafter pass seconds = c + d * rows drafting;
-- request r accepts each drafted token with probability alpha_r = (accepted + 1) / (drafted + 2), so a draft
-  of k commits E_r(k) = 1 + alpha_r + ... + alpha_r^k tokens in expectation (1 for k = 0);
+- request r accepts each drafted token with probability alpha_r, so a draft of k commits
+  E_r(k) = 1 + alpha_r + ... + alpha_r^k tokens in expectation (1 for k = 0); alpha_r is the value for which
+  that model gives the mean accepted tokens per draft the request has had at its mean draft length (acceptance
+  comes in runs: a per-token rate accepted / drafted would underprice long drafts);
 - the step's k maximises  sum_r E_r(min(k, k_r)) / (T(sum_r (1 + min(k, k_r))) + k * D(drafting rows)),
   with k_r the request's own draft length (``DraftLength``), over k = 0 .. max k_r.
 
 Until both models have been timed at two different widths, it alternates the configured k and k = 0 to
-measure them. It changes which tokens are drafted, never which are output.
+measure them, and every EXPLORE-th step it drafts the configured k again so the fit keeps two widths. It
+changes which tokens are drafted, never which are output.
 """
 
 from __future__ import annotations
@@ -22,6 +25,20 @@ from collections import deque
 import torch
 
 WINDOW = 64  # passes kept for the fit
+EXPLORE = 8  # every EXPLORE-th step drafts the requests' own k, so the costs stay measured at two widths
+
+
+def acceptance(accepted: int, drafted: int, drafts: int) -> float:
+    """alpha with alpha + ... + alpha^k = accepted per draft, k = drafted per draft (bisection); 0.5 before any."""
+    if drafts == 0 or drafted == 0:
+        return 0.5
+    length, mean_accepted = drafted / drafts, accepted / drafts
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        alpha = (low + high) / 2
+        expected = sum(alpha ** index for index in range(1, int(round(length)) + 1))
+        low, high = (alpha, high) if expected < mean_accepted else (low, alpha)
+    return (low + high) / 2
 
 
 def _fit(samples: deque) -> tuple[float, float] | None:
@@ -49,9 +66,11 @@ class LoadAdaptive:
         largest = max(own.values(), default=0)
         if largest == 0:
             return {}
+        self.probing += 1
         if self.target_cost is None or self.drafter_cost is None:
-            self.probing += 1
             k = largest if self.probing % 2 else 0
+        elif self.probing % EXPLORE == 0:
+            k = largest
         else:
             k = max(range(largest + 1), key=lambda k: self._throughput(requests, own, k))
         self.chosen.append((len(requests), k))
@@ -61,7 +80,7 @@ class LoadAdaptive:
         tokens, committed, drafting = 0, 0.0, 0
         for request in requests:
             length = min(k, own[id(request)])
-            alpha = (request.stats.accepted_tokens + 1) / (request.stats.drafted_tokens + 2)
+            alpha = acceptance(request.stats.accepted_tokens, request.stats.drafted_tokens, request.drafts)
             committed += sum(alpha ** index for index in range(length + 1))
             tokens += 1 + length
             drafting += length > 0

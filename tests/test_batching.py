@@ -12,11 +12,14 @@ difference fails. The count of such ties is printed (``-s``) and bounded.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from synthetic import drafter_tokenizer, language_model, target_tokenizer
 from hetspec import Engine, SamplingParams, SpeculationConfig
+from hetspec.adaptive import EXPLORE, LoadAdaptive, acceptance
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
 from hetspec.kv import Feed, forward
@@ -199,3 +202,34 @@ def test_batched_sampling_equals_batch_one_seed_for_seed_on_synthetic_models():
         batched = engine.generate_batch(["ab c"] * 24, params, speculation={"algorithm": algorithm, "draft_tokens": 3})
         alone = [engine.generate("ab c", p, speculation={"algorithm": algorithm, "draft_tokens": 3}) for p in params]
         assert [result.token_ids for result in batched] == [result.token_ids for result in alone]
+
+
+class _Waiting:
+    """What the load-adaptive policy reads of a request: its statistics, draft rounds and own draft length."""
+
+    def __init__(self, accepted: int, drafted: int, drafts: int, own_k: int = 5):
+        self.stats = SimpleNamespace(accepted_tokens=accepted, drafted_tokens=drafted)
+        self.drafts, self.own_k, self.drafter = drafts, own_k, object()
+
+    def draft_length(self, can_draft: bool, cap: int | None = None) -> int:
+        return self.own_k if cap is None else min(cap, self.own_k)
+
+
+def test_acceptance_inverts_the_expected_accepted_tokens():
+    alpha = acceptance(accepted=10, drafted=25, drafts=5)  # 2 accepted per draft of 5
+    assert abs(sum(alpha ** index for index in range(1, 6)) - 2.0) < 1e-6
+    assert acceptance(0, 0, 0) == 0.5 and acceptance(25, 25, 5) > 0.999
+
+
+def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear():
+    requests = [_Waiting(accepted=10, drafted=25, drafts=5) for _ in range(8)]
+    cheap, dear = LoadAdaptive(), LoadAdaptive()
+    cheap.target_cost, cheap.drafter_cost = (0.6, 0.01), (0.03, 0.002)  # memory-bound: 48 tokens ~ 1.8x one
+    dear.target_cost, dear.drafter_cost = (0.1, 0.13), (0.03, 0.002)  # compute-bound (bf16 on an AVX2 CPU)
+    cheap.probing = dear.probing = 1  # past the probes, not an exploring step
+    (chosen,) = set(cheap.choose(requests, None, None).values())
+    assert 2 <= chosen <= 5  # the expected-throughput optimum, not the largest k
+    assert set(dear.choose(requests, None, None).values()) == {0}
+    explorer = LoadAdaptive()
+    explorer.target_cost, explorer.drafter_cost, explorer.probing = dear.target_cost, dear.drafter_cost, EXPLORE - 1
+    assert set(explorer.choose(requests, None, None).values()) == {5}, "every EXPLORE-th step measures k again"
