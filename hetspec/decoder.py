@@ -26,9 +26,8 @@ from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
 from hetspec.kv import Feed, Steps, forward, run_lockstep
 from hetspec.models import LanguageModel
 from hetspec.output import DraftLength, OutputText, Stats, StreamEvent
-from hetspec.sampling import target_choice
-from hetspec.tree import TokenTree, chain_then_tree, walk
-from hetspec.verify import verify_candidates
+from hetspec.tree import TokenTree, chain_then_tree
+from hetspec.verify import verify_candidates, verify_tree
 
 
 class TargetSide:
@@ -67,20 +66,12 @@ class TargetSide:
         return new_ids
 
     def _verify_tree(self, tree: TokenTree, params: SamplingParams, first_position: int) -> Steps:
-        """Exact match down a token tree (``hetspec.tree.walk``) in one pass; the cache keeps the accepted branch."""
+        """One pass over the tree, ``hetspec.verify.verify_tree``; the cache keeps the accepted branch."""
         cached, pending = self.session.length, self.ids[self.session.length:]
         logits = yield Feed(self.session, pending + tree.tokens, len(tree) + 1,
                             chain_then_tree(len(pending), tree))  # [1 + nodes, vocab]
-        greedy_choices = logits.argmax(dim=-1).tolist() if params.greedy else None
-
-        def choice_at(node: int, depth: int) -> int:
-            row = node + 1  # row 0: after the last committed id
-            if greedy_choices is not None:
-                return greedy_choices[row]
-            return target_choice(logits[row], params.temperature, params.top_k, params.top_p, params.seed,
-                                 first_position + depth)
-
-        accepted, next_token = walk(tree.children(), choice_at)
+        accepted, next_token = verify_tree(tree, logits, params.temperature, params.top_k, params.top_p,
+                                           params.seed, first_position)
         tree_start = cached + len(pending)
         self.session.keep(list(range(tree_start)) + [tree_start + node for node in accepted])
         new_ids = [tree.tokens[node] for node in accepted] + [next_token]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from hetspec.sampling import Stream, accepts, logits_to_probs, sample_from, target_choice, uniform
+from hetspec.tree import TokenTree, walk
 
 
 def exact_match(candidates: list[int], target_choices: list[int]) -> tuple[int, int]:
@@ -86,3 +87,21 @@ def verify_candidates(candidates: list[int], draft_probs: torch.Tensor | None, t
     assert draft_probs is not None, "speculative sampling needs the draft distributions"
     target_probs = logits_to_probs(target_logits, temperature, top_k, top_p)
     return speculative_sampling(candidates, draft_probs, target_probs, seed, first_position)
+
+
+def verify_tree(tree: TokenTree, target_logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                seed: int, first_position: int) -> tuple[list[int], int]:
+    """Exact match down a token tree (Timor et al. 2025, Alg. 2, one branch at a time; ``hetspec.tree.walk``).
+
+    target_logits: [1 + nodes, vocab], row 0 after the committed text, row 1 + i after node i. Returns (the
+    accepted nodes, root to leaf; the target's own token after them).
+    """
+    greedy_choices = target_logits.argmax(dim=-1).tolist() if temperature == 0.0 else None
+
+    def choice_at(node: int, depth: int) -> int:
+        row = node + 1
+        if greedy_choices is not None:
+            return greedy_choices[row]
+        return target_choice(target_logits[row], temperature, top_k, top_p, seed, first_position + depth)
+
+    return walk(tree.children(), choice_at)

@@ -191,17 +191,22 @@ def test_ragged_passes_past_gemmas_sliding_window_equal_one_full_pass(gemma):
 
 
 def test_batched_sampling_equals_batch_one_seed_for_seed_on_synthetic_models():
-    """SD-style rejection sampling (TLI) and SLRS: a request's numbers are its own, so a batch samples what batch 1
-    samples, seed for seed (tests/test_distribution.py checks these samples' distribution)."""
+    """Rejection sampling (SD, TLI, SLRS) and seeded SLEM: a request's numbers are its own, so a batch samples what
+    batch 1 samples, seed for seed (tests/test_distribution.py and tests/test_exact_distribution.py check batch 1's
+    distribution)."""
     target = language_model("target", target_tokenizer(), seed=0)
-    engine = Engine(target, language_model("drafter", drafter_tokenizer(), seed=1),
-                    batching=BatchingConfig(max_batch_size=8))
-    for algorithm in ("tli", "slrs"):
+    drafters = {"sd": language_model("same-vocabulary drafter", target.tokenizer, seed=2),
+                "tli": language_model("drafter", drafter_tokenizer(), seed=1)}
+    drafters["slrs"] = drafters["slem"] = drafters["tli"]
+    for algorithm, drafter in drafters.items():
+        engine = Engine(target, drafter, batching=BatchingConfig(max_batch_size=8))
         params = [SamplingParams(max_new_tokens=5, temperature=0.8, top_k=5, seed=seed, ignore_eos=True)
                   for seed in range(24)]
-        batched = engine.generate_batch(["ab c"] * 24, params, speculation={"algorithm": algorithm, "draft_tokens": 3})
-        alone = [engine.generate("ab c", p, speculation={"algorithm": algorithm, "draft_tokens": 3}) for p in params]
-        assert [result.token_ids for result in batched] == [result.token_ids for result in alone]
+        speculation = {"algorithm": algorithm, "draft_tokens": 3}
+        batched = engine.generate_batch(["ab c"] * 24, params, speculation=speculation)
+        alone = [engine.generate("ab c", p, speculation=speculation) for p in params]
+        assert [result.token_ids for result in batched] == [result.token_ids for result in alone], algorithm
+        assert batched[0].stats.mean_batch_size > 4
 
 
 class _Waiting:
