@@ -117,7 +117,7 @@ class BatchingConfig(StrictModel):
         "Most requests decoded together; more wait and join as others finish (continuous batching)."))
     prefill_chunk_tokens: int = Field(128, ge=1, le=65536, description=(
         "While other requests decode, a joining prompt is fed at most this many tokens per step, so a long "
-        "prompt does not stall their decoding; with nobody decoding it is fed whole."))
+        "prompt does not stall their decoding; with nobody decoding it is fed whole with the first verification."))
 
 
 class ModelConfig(StrictModel):

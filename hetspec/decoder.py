@@ -257,10 +257,14 @@ class BatchDecoder:
         return events
 
     def _prefill(self) -> None:
-        """Prompt passes for the joining requests: whole when nobody decodes, else a chunk per step."""
+        """Prompt passes for the joining requests, in chunks, while others decode. With nobody decoding, they run
+        at once: their first draft and verification feed the whole prompt (no pass of its own, as at batch 1)."""
         if not self.joining:
             return
-        budget = self.batching.prefill_chunk_tokens if self.running else 1 << 30
+        if not self.running:
+            self.running, self.joining = self.joining, []
+            return
+        budget = self.batching.prefill_chunk_tokens
         target_feeds, drafter_feeds = [], []
         for request in list(self.joining):
             if budget <= 0:
