@@ -74,3 +74,31 @@ def test_cli_rejects_bad_arguments_with_the_field_name():
     assert result.returncode == 2 and "--algorithm" in result.stderr
     result = _cli("generate", "--algorithm", "tli", "--tree-width", "2", "hi")
     assert result.returncode == 2 and "--tree-width" in result.stderr and "exact match" in result.stderr
+
+
+@pytest.mark.real
+def test_cli_prompts_file_prints_one_result_per_line_in_order(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"The capital of France is"\n\n'
+                       '{"prompt": "def add(a, b):", "max_new_tokens": 5}\n'
+                       '{"prompt": "Once upon a time", "temperature": 0.8, "seed": 3}\n')
+    common = ["generate", "--target", "gemma3-270m", "--drafter", "smollm2-135m", "--dtype", "float32",
+              "--max-new-tokens", "8", "--prompts-file", str(prompts)]
+    batched = _cli(*common, "--algorithm", "slem", "--batch-size", "2")
+    assert batched.returncode == 0, batched.stderr
+    alone = _cli(*common, "--algorithm", "ar", "--batch-size", "1")
+    assert alone.returncode == 0, alone.stderr
+    ours = [json.loads(line) for line in batched.stdout.splitlines()]
+    reference = [json.loads(line) for line in alone.stdout.splitlines()]
+    assert [result["index"] for result in ours] == [0, 1, 2]
+    assert [result["token_ids"] for result in ours] == [result["token_ids"] for result in reference]
+    assert len(ours[1]["token_ids"]) <= 5 and ours[0]["stats"]["mean_batch_size"] > 1
+
+
+def test_cli_prompts_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('"fine"\n{"prompt": "x", "temperature": -1}\n')
+    result = _cli("generate", "--prompts-file", str(bad))
+    assert result.returncode == 2 and "line 2" in result.stderr and "temperature" in result.stderr
+    result = _cli("generate", "--prompts-file", str(bad), "also a prompt")
+    assert result.returncode == 2 and "not both" in result.stderr
