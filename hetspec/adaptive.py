@@ -60,7 +60,7 @@ class LoadAdaptive:
         self.probing = 0
         self.chosen: list[tuple[int, int]] = []  # (batch size, k) per step, for the statistics
 
-    def choose(self, requests: list, target, drafter) -> dict[int, int]:
+    def choose(self, requests: list) -> dict[int, int]:
         """Cap on each request's k for this step, by ``id(request)``; {} leaves the requests' own k."""
         own = {id(request): request.draft_length(request.drafter is not None) for request in requests}
         largest = max(own.values(), default=0)

@@ -203,7 +203,6 @@ class BatchDecoder:
         self.adaptive = LoadAdaptive() if load_adaptive else None
         self.joining: list[Request] = []
         self.running: list[Request] = []
-        self.steps = 0
 
     def __len__(self) -> int:
         return len(self.joining) + len(self.running)
@@ -222,12 +221,11 @@ class BatchDecoder:
 
     def step(self) -> list[tuple[Request, StreamEvent]]:
         """One step for every request; returns the events of the requests that released something or finished."""
-        self.steps += 1
         self._prefill()
         if not self.running:
             return []
         running = list(self.running)
-        caps = self.adaptive.choose(running, self.target, self.drafter) if self.adaptive else {}
+        caps = self.adaptive.choose(running) if self.adaptive else {}
         lengths = [request.draft_length(request.drafter is not None, caps.get(id(request))) for request in running]
         drafting = [index for index, k in enumerate(lengths) if k > 0]
         drafts = [Draft() for _ in running]

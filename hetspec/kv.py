@@ -173,7 +173,6 @@ class _Pass(Cache):
 
     def __init__(self, pool: KVPool, rows: list[int], slots: torch.Tensor, used: int):
         self.pool = pool
-        self.rows_list = rows
         self.row_index = torch.tensor(rows, dtype=torch.long, device=pool.device)[:, None]  # [batch, 1]
         self.slots = slots  # [batch, fed]
         self.fed = slots.shape[1]

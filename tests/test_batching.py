@@ -232,9 +232,9 @@ def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear(
     cheap.target_cost, cheap.drafter_cost = (0.6, 0.01), (0.03, 0.002)  # memory-bound: 48 tokens ~ 1.8x one
     dear.target_cost, dear.drafter_cost = (0.1, 0.13), (0.03, 0.002)  # compute-bound (bf16 on an AVX2 CPU)
     cheap.probing = dear.probing = 1  # past the probes, not an exploring step
-    (chosen,) = set(cheap.choose(requests, None, None).values())
+    (chosen,) = set(cheap.choose(requests).values())
     assert 2 <= chosen <= 5  # the expected-throughput optimum, not the largest k
-    assert set(dear.choose(requests, None, None).values()) == {0}
+    assert set(dear.choose(requests).values()) == {0}
     explorer = LoadAdaptive()
     explorer.target_cost, explorer.drafter_cost, explorer.probing = dear.target_cost, dear.drafter_cost, EXPLORE - 1
-    assert set(explorer.choose(requests, None, None).values()) == {5}, "every EXPLORE-th step measures k again"
+    assert set(explorer.choose(requests).values()) == {5}, "every EXPLORE-th step measures k again"
