@@ -1,12 +1,15 @@
-"""Admission control of one replica: a bounded number of running requests and a bounded waiting line.
+"""Admission control of one replica: bounded running requests, a KV memory budget, a bounded waiting line.
 
-At most ``max_running`` requests decode at once (each holds a KV session in the drafter and the target);
-up to ``max_waiting`` more wait, first come first served; any further request is turned away at once
-with ``Overloaded`` (HTTP 429 / gRPC RESOURCE_EXHAUSTED, with a Retry-After hint), so a burst never
-piles up unbounded work or opens sessions the actors cannot hold. A request waits no longer than its
-deadline (``RequestTimeout``). Single-threaded: everything runs on the replica's event loop.
+At most ``max_running`` requests decode at once (each holds a KV session in the drafter and the target),
+and with a ``kv_budget`` only as many as their KV caches fit in it: each request counts the bytes its
+prompt and max_new_tokens need in both models. Up to ``max_waiting`` more wait, first come first served
+(the first in line waits for room even if a smaller one behind it would fit: no starvation); any further
+request, or one that alone exceeds the budget, is turned away at once with ``Overloaded`` (HTTP 429 / gRPC
+RESOURCE_EXHAUSTED, with a Retry-After hint), so a burst never piles up unbounded work or opens sessions
+the actors cannot hold. A request waits no longer than its deadline (``RequestTimeout``). Single-threaded:
+everything runs on the replica's event loop.
 
-    ticket = admission.admit()       # synchronous: a running slot, a place in line, or Overloaded
+    ticket = admission.admit(kv_bytes)  # synchronous: a running slot, a place in line, or Overloaded
     await ticket.wait(deadline)      # until the slot is ours (RequestTimeout past the deadline)
     ...                              # run the request
     ticket.release_after(closes)     # once the request's sessions are closed, the slot goes to the next
@@ -45,9 +48,10 @@ class RequestTimeout(TimeoutError):
 class Ticket:
     """One request's claim: holds a running slot once ``wait`` returns, until ``release``."""
 
-    def __init__(self, admission: "Admission", turn: asyncio.Future | None):
+    def __init__(self, admission: "Admission", turn: asyncio.Future | None, kv_bytes: int):
         self._admission = admission
         self._turn = turn  # None: admitted at once; else resolved when a slot is handed over
+        self.kv_bytes = kv_bytes
         self._released = False
 
     @property
@@ -97,52 +101,72 @@ class Ticket:
         held = self.holds_slot
         self._released = True
         if held:
-            self._admission._hand_over()
+            self._admission._free(self)
         else:  # still in line: leave it (a turn handed over meanwhile is passed on by holds_slot above)
             self._turn.cancel()
-            self._admission._leave_line(self._turn)
+            self._admission._leave_line(self)
 
 
 class Admission:
-    def __init__(self, max_running: int, max_waiting: int, retry_after_s: float):
+    def __init__(self, max_running: int, max_waiting: int, retry_after_s: float, kv_budget: int | None = None):
         if max_running < 1 or max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.retry_after_s = retry_after_s
+        self.kv_budget = kv_budget
         self.running = 0  # slots held (tickets admitted, or handed a slot and not yet released)
+        self.kv_bytes = 0  # KV bytes the running requests count on
         self.rejected = 0  # requests turned away since start
-        self._line: deque[asyncio.Future] = deque()
+        self._line: deque[Ticket] = deque()
         self._releasing: set[asyncio.Task] = set()
 
     @property
     def waiting(self) -> int:
         return len(self._line)
 
-    def admit(self) -> Ticket:
-        """A ticket, or ``Overloaded`` when every running slot and every place in line is taken."""
-        if self.running < self.max_running and not self._line:
+    def _fits(self, kv_bytes: int) -> bool:
+        return self.running < self.max_running and (self.kv_budget is None or
+                                                    self.kv_bytes + kv_bytes <= self.kv_budget)
+
+    def admit(self, kv_bytes: int = 0) -> Ticket:
+        """A ticket, or ``Overloaded`` when every running slot and every place in line is taken (or the
+        request's ``kv_bytes`` alone exceed the budget)."""
+        if self.kv_budget is not None and kv_bytes > self.kv_budget:
+            self.rejected += 1
+            raise Overloaded(f"the request needs {kv_bytes} bytes of KV cache (prompt + max_new_tokens), more "
+                             f"than this replica's whole budget of {self.kv_budget} (limits.kv_cache_bytes): "
+                             "ask for fewer max_new_tokens or a shorter prompt", self.retry_after_s)
+        if not self._line and self._fits(kv_bytes):
             self.running += 1
-            return Ticket(self, None)
+            self.kv_bytes += kv_bytes
+            return Ticket(self, None, kv_bytes)
         if len(self._line) >= self.max_waiting:
             self.rejected += 1
-            raise Overloaded(f"server busy: {self.running} requests running (limits.max_running_requests) and "
+            raise Overloaded(f"server busy: {self.running} requests running (limits.max_running_requests) "
+                             f"holding {self.kv_bytes} bytes of KV cache (limits.kv_cache_bytes) and "
                              f"{len(self._line)} waiting (limits.max_waiting_requests)", self.retry_after_s)
-        turn = asyncio.get_running_loop().create_future()
-        self._line.append(turn)
-        return Ticket(self, turn)
+        ticket = Ticket(self, asyncio.get_running_loop().create_future(), kv_bytes)
+        self._line.append(ticket)
+        return ticket
 
-    def _hand_over(self) -> None:
-        """A slot was freed: the first in line gets it (running stays the same), else it is free."""
-        while self._line:
-            turn = self._line.popleft()
-            if not turn.done():
-                turn.set_result(None)
-                return
+    def _free(self, ticket: Ticket) -> None:
+        """A running request ended: its room goes to the first in line while they fit."""
         self.running -= 1
+        self.kv_bytes -= ticket.kv_bytes
+        self._hand_room()
 
-    def _leave_line(self, turn: asyncio.Future) -> None:
+    def _leave_line(self, ticket: Ticket) -> None:
         try:
-            self._line.remove(turn)
+            self._line.remove(ticket)
         except ValueError:  # already handed over and popped
             pass
+        self._hand_room()  # a large request that left the head of the line may have held back smaller ones
+
+    def _hand_room(self) -> None:
+        while self._line and self._fits(self._line[0].kv_bytes):
+            waiting = self._line.popleft()
+            if not waiting._turn.done():
+                self.running += 1
+                self.kv_bytes += waiting.kv_bytes
+                waiting._turn.set_result(None)

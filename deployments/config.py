@@ -46,9 +46,17 @@ class PipelineConfig(StrictModel):
     actor_max_concurrency: int = Field(16, ge=1, le=1024, description=(
         "Calls one drafter or target actor runs at once (threads), so concurrent requests interleave."))
     model_lanes: int = Field(2, ge=1, le=64, description=(
-        "Forward passes one drafter or target actor runs at once, each on its own thread: a lasting first "
-        "lane, the others only while it is busy. The model's CPU threads are split among the passes running "
-        "(one request alone gets them all; deployments/model_threads.py)."))
+        "Model calls one drafter or target actor runs at once, each on its own thread: a lasting first lane, "
+        "the others only while it is busy. Forward passes are batched (one at a time, every waiting request "
+        "in it), so a side lane only takes session set-up; the CPU threads are split among the calls running "
+        "(deployments/model_threads.py)."))
+    batch_wait_s: float = Field(0.05, ge=0.0, le=10.0, allow_inf_nan=False, description=(
+        "Longest the decoding requests' batched draft or verify call waits for a request busy elsewhere (e.g. "
+        "sending to a slow client) before leaving without it; requests waiting on a model call are always "
+        "waited for, one request alone never waits (deployments/pipeline.py, StepBatches)."))
+    prefill_chunk_tokens: int = Field(128, ge=1, le=65536, description=(
+        "A new request's prompt is fed in passes of at most this many tokens, each a pass of its own between "
+        "the other requests' passes, so a long prompt does not stall their decoding."))
 
 
 class AutoscalingConfig(StrictModel):
@@ -79,6 +87,11 @@ class LimitsConfig(StrictModel):
         "HTTP 429 / gRPC RESOURCE_EXHAUSTED with a Retry-After hint. 0: no waiting, reject at once."))
     retry_after_s: float = Field(1.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
         "The Retry-After hint (seconds, rounded up) sent with a request turned away because the server is full."))
+    kv_cache_bytes: int | None = Field(None, ge=1, description=(
+        "KV cache budget of one replica (drafter and target together): a request is admitted while every "
+        "running request's (prompt + max_new_tokens) tokens times the models' KV bytes per token fit in it, "
+        "else it waits in line (429 / RESOURCE_EXHAUSTED when the line is full, or at once when it alone "
+        "exceeds the budget). None: no budget, max_running_requests alone bounds the requests."))
     request_timeout_s: float | None = Field(600.0, gt=0.0, allow_inf_nan=False, description=(
         "Longest a request may take on a replica, waiting included; past it the request stops, its KV "
         "sessions are freed and the client gets HTTP 408 / gRPC DEADLINE_EXCEEDED. None: no limit."))

@@ -30,7 +30,7 @@ from deployments.admission import Admission, Overloaded, RequestTimeout, Ticket
 from deployments.auth import ApiKeys
 from deployments.config import AppConfig
 from deployments.metrics import coordinator_metrics
-from deployments.pipeline import DecodeLoop, PipelineStats, Step, Worker, WorkerLost
+from deployments.pipeline import DecodeLoop, PipelineStats, Step, StepBatches, Worker, WorkerLost
 from deployments.sessions import SessionLimitReached
 from deployments.workers import ModelInfo
 
@@ -127,7 +127,11 @@ class Coordinator:
         # requests of this replica, by how they ended
         self.outcomes = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "timed_out": 0}
         limits = config.limits
-        self.admission = Admission(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s)
+        self.admission = Admission(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s,
+                                   limits.kv_cache_bytes)
+        self.kv_bytes_per_token = {"target": target_info.kv_bytes_per_token,
+                                   "drafter": drafter_info.kv_bytes_per_token}
+        self.batches = StepBatches(config.pipeline.batch_wait_s)  # the requests' steps, batched per worker
         self.api_keys = ApiKeys.from_config(config.auth)  # the environment of this replica's process
         self.replica = uuid.uuid4().hex[:8]
         self.metrics = coordinator_metrics()
@@ -157,10 +161,19 @@ class Coordinator:
                         target_prompt_ids, drafter_prompt_ids, pipelined,
                         None if timeout_s is None else time.monotonic() + timeout_s)
 
-    def admit(self, protocol: str) -> Ticket:
+    def kv_bytes(self, prepared: Prepared) -> int:
+        """The KV cache the request may fill: its prompt and max_new_tokens (plus a draft's lookahead) in each
+        model. The drafter's output length in its own tokens is unknown; its count of target tokens stands in."""
+        new_tokens = prepared.params.max_new_tokens + prepared.speculation.draft_tokens + 1
+        needed = (len(prepared.target_prompt_ids) + new_tokens) * self.kv_bytes_per_token["target"]
+        if prepared.drafter_prompt_ids is not None:
+            needed += (len(prepared.drafter_prompt_ids) + new_tokens) * self.kv_bytes_per_token["drafter"]
+        return needed
+
+    def admit(self, protocol: str, prepared: Prepared) -> Ticket:
         """A running slot or a place in line for a request, or ``Overloaded`` (counted) when there is neither."""
         try:
-            return self.admission.admit()
+            return self.admission.admit(self.kv_bytes(prepared))
         except Overloaded:
             self.outcomes["rejected"] += 1
             self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": "Overloaded"})
@@ -184,7 +197,7 @@ class Coordinator:
         ``ticket``: the request's admission if the caller took it already (an HTTP stream decides its status
         before the body starts); else it is taken here, and ``Overloaded`` raised when the server is full.
         """
-        ticket = ticket or self.admit(protocol)
+        ticket = ticket or self.admit(protocol, prepared)
         closing: list = []  # the request's session closes, filled in by _run_admitted
         try:
             try:
@@ -221,7 +234,7 @@ class Coordinator:
                 self._drafter_lost(request_id)
             progress = Progress(self.target_model, prepared.params, prepared.speculation, stats)
             loop = DecodeLoop(request_id, algorithm, progress, list(prepared.target_prompt_ids), target, drafter,
-                              prepared.pipelined,
+                              prepared.pipelined, self.batches,
                               on_step=lambda step: self._record_step(algorithm.name, step),
                               on_drafter_lost=lambda: self._drafter_lost(request_id))
             async for event in _until(prepared.deadline, loop.run()):
@@ -297,6 +310,7 @@ class Coordinator:
         target, drafter = await asyncio.gather(actor_stats(self.target), actor_stats(self.drafter))
         return {"replica": self.replica, "ongoing_requests": self.ongoing,
                 "running_slots": self.admission.running, "waiting_requests": self.admission.waiting,
+                "admitted_kv_bytes": self.admission.kv_bytes, "kv_cache_bytes": self.admission.kv_budget,
                 **{f"{outcome}_requests": count for outcome, count in self.outcomes.items()},
                 "target": target, "drafter": drafter}
 
@@ -306,6 +320,7 @@ class Coordinator:
     def _track(self, delta: int) -> None:
         self.ongoing += delta
         self.metrics.ongoing_requests.set(self.ongoing, tags={"replica": self.replica})
+        self.metrics.admitted_kv_bytes.set(self.admission.kv_bytes, tags={"replica": self.replica})
 
     def _record_step(self, algorithm: str, step: Step) -> None:
         tags = {"algorithm": algorithm}

@@ -38,6 +38,9 @@ class CoordinatorMetrics:
                                 "Speculative drafts, by outcome (hit: used, miss: dropped).", tag_keys=("outcome",))
         self.drafter_lost = Counter("hetspec_drafter_lost_total",
                                     "Requests that lost their drafter and were finished by the target alone.")
+        self.admitted_kv_bytes = Gauge("hetspec_admitted_kv_bytes",
+                                       "KV cache bytes the running requests of a replica are admitted with.",
+                                       tag_keys=("replica",))
         self.ongoing_requests = Gauge("hetspec_coordinator_ongoing_requests",
                                       "Requests in progress in this coordinator replica.", tag_keys=("replica",))
 
@@ -49,6 +52,13 @@ class WorkerMetrics:
         self.queue_depth = Gauge("hetspec_actor_queue_depth",
                                  "Calls in a model actor, running or waiting for a thread or their session.",
                                  tag_keys=("role", "actor"))
+        self.passes = Counter("hetspec_forward_passes_total",
+                              "Batched forward passes of a model actor (each feeds every request waiting then).",
+                              tag_keys=("role", "actor"))
+        self.pass_rows = Histogram("hetspec_pass_rows", "Requests fed by one forward pass (the batch size).",
+                                   boundaries=TOKEN_BUCKETS, tag_keys=("role",))
+        self.kv_reserved_bytes = Gauge("hetspec_kv_reserved_bytes", "KV cache memory a model actor holds.",
+                                       tag_keys=("role", "actor"))
         self.expired_sessions = Counter("hetspec_expired_sessions_total", "KV sessions freed after idling.",
                                         tag_keys=("role",))
 

@@ -130,7 +130,7 @@ async def _respond(coordinator: Coordinator, body: CompletionRequest | ChatCompl
     retry_after = coordinator.config.limits.retry_after_header
     if body.stream:
         try:  # admitted (or told to come back) before the 200 and the first event are sent
-            ticket = coordinator.admit("http")
+            ticket = coordinator.admit("http", prepared)
         except Overloaded as error:
             return _busy(error, retry_after)
         return _ClosingStreamingResponse(_stream(coordinator, prepared, writer, body.include_usage, ticket),

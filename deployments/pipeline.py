@@ -23,8 +23,9 @@ import contextvars
 import copy
 import functools
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Iterator, Protocol
 
 from ray.exceptions import ActorDiedError, RayActorError
 
@@ -40,6 +41,9 @@ class Worker(Protocol):
     """A drafter or target worker reached by method name; the call is running once ``call`` returns."""
 
     def call(self, method: str, *args) -> Awaitable: ...
+
+    def call_shared(self, method: str, *args) -> Awaitable:
+        """A call on behalf of several requests (a batch): no request's cancellation may cancel it."""
 
     def call_detached(self, method: str, *args) -> Awaitable:
         """A call that must happen even if the calling request is being cancelled (closing its sessions).
@@ -104,6 +108,112 @@ class _Speculation:
         return draft, Draft(text=draft.text[len(bonus_bytes):])
 
 
+class StepBatches:
+    """The draft and verify calls of a replica's decoding requests, gathered into one call per worker and step.
+
+    A worker runs the items of one call in shared passes (deployments/workers.py), so requests that step
+    together cost one pass per round: the coordinator keeps them in step, as the library's ``BatchDecoder``
+    does in process. Each member (a decoding request) is at any moment free (its own work, its client),
+    pending (its call waits here) or in flight (in a call sent). A worker's pending calls leave together once
+    no member is in flight and none is free, i.e. nobody else is about to call; a member free for longer
+    than ``max_wait_s`` (a slow client) is not waited for. One request alone is never held back.
+
+    Why not Ray Serve's ``@serve.batch``: it waits a fixed time for a fixed count, while here the count is
+    known exactly (who is drafting, who is verifying), and it needs a replica context (tests run this in
+    process).
+    """
+
+    FREE, PENDING, IN_FLIGHT = "free", "pending", "in flight"
+
+    def __init__(self, max_wait_s: float) -> None:
+        self.max_wait_s = max_wait_s
+        self.states: dict[int, str] = {}  # by member id
+        self._pending: dict[tuple[int, str], list] = {}  # (worker, method) -> [(member, item, future)]
+        self._first_pending: dict[tuple[int, str], float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def join(self, member: object) -> None:
+        self.states[id(member)] = self.FREE
+
+    @contextmanager
+    def in_flight(self, member: object) -> Iterator[None]:
+        """The member waits on a call of its own outside these batches (a speculative draft)."""
+        self.states[id(member)] = self.IN_FLIGHT
+        try:
+            yield
+        finally:
+            if id(member) in self.states:
+                self.states[id(member)] = self.FREE
+            self._send_ready()
+
+    def leave(self, member: object) -> None:
+        self.states.pop(id(member), None)
+        self._send_ready()
+
+    async def call(self, member: object, worker: "Worker", method: str, item: tuple):
+        """``worker.method([..., item, ...])``'s outcome for ``item``, sent with the other members' items."""
+        key = (id(getattr(worker, "handle", worker)), method)  # pinned copies of one actor share a batch
+        result = asyncio.get_running_loop().create_future()
+        entry = (id(member), item, result, worker)
+        self._pending.setdefault(key, []).append(entry)
+        self._first_pending.setdefault(key, time.monotonic())
+        self.states[id(member)] = self.PENDING
+        self._send_ready()
+        try:
+            return await result
+        finally:
+            if entry in self._pending.get(key, []):  # cancelled before it was sent
+                self._pending[key].remove(entry)
+            if id(member) in self.states:
+                self.states[id(member)] = self.FREE
+
+    def _send_ready(self) -> None:
+        states = self.states.values()
+        if not self._pending or self.IN_FLIGHT in states:
+            return  # a call in flight returns soon and its members call again: wait for them
+        now = time.monotonic()
+        waiting_for_free = self.FREE in states
+        for key in list(self._pending):
+            if not self._pending[key]:
+                del self._pending[key]
+                self._first_pending.pop(key, None)
+            elif not waiting_for_free or now - self._first_pending[key] >= self.max_wait_s:
+                self._send(key)
+        if self._pending and self._timer is None:  # look again when the oldest has waited max_wait_s
+            oldest = min(self._first_pending.values())
+            self._timer = asyncio.get_running_loop().call_later(
+                max(0.0, oldest + self.max_wait_s - now), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._send_ready()
+
+    def _send(self, key: tuple[int, str]) -> None:
+        entries = self._pending.pop(key)
+        self._first_pending.pop(key, None)
+        for member, _, _, _ in entries:
+            self.states[member] = self.IN_FLIGHT
+        worker = entries[0][3]
+        try:
+            sent = worker.call_shared(key[1], [item for _, item, _, _ in entries])
+        except Exception as error:  # e.g. WorkerLost: the worker is being replaced
+            sent = asyncio.get_running_loop().create_future()
+            sent.set_exception(error)
+        asyncio.ensure_future(sent).add_done_callback(lambda done: self._distribute(entries, done))
+
+    def _distribute(self, entries: list, done: asyncio.Future) -> None:
+        outcomes = [done.exception()] * len(entries) if done.exception() else done.result()
+        for (member, _, result, _), outcome in zip(entries, outcomes):
+            if member in self.states:
+                self.states[member] = self.FREE
+            if not result.done():
+                if isinstance(outcome, BaseException):
+                    result.set_exception(outcome)
+                else:
+                    result.set_result(outcome)
+        self._send_ready()
+
+
 class DecodeLoop:
     """One request's decoding across a drafter and a target worker whose sessions are already open.
 
@@ -113,9 +223,10 @@ class DecodeLoop:
     """
 
     def __init__(self, request_id: str, algorithm: Algorithm, progress: Progress, target_ids: list[int],
-                 target: Worker, drafter: Worker | None, pipelined: bool,
+                 target: Worker, drafter: Worker | None, pipelined: bool, batches: StepBatches,
                  on_step: Callable[[Step], None] = lambda step: None,
                  on_drafter_lost: Callable[[], None] = lambda: None):
+        self.batches = batches
         self.request_id = request_id
         self.algorithm = algorithm
         self.progress = progress
@@ -130,6 +241,14 @@ class DecodeLoop:
         self.on_drafter_lost = on_drafter_lost
 
     async def run(self) -> AsyncIterator[StreamEvent]:
+        self.batches.join(self)
+        try:
+            async for event in self._steps():
+                yield event
+        finally:
+            self.batches.leave(self)
+
+    async def _steps(self) -> AsyncIterator[StreamEvent]:
         speculation: _Speculation | None = None
         new_ids: list[int] = []
         while True:
@@ -139,7 +258,8 @@ class DecodeLoop:
             drafts = k > 0
             message, drafter_seconds, outcome = None, 0.0, None
             if speculation is not None:
-                usable = await self._from_drafter(speculation.usable(new_ids))
+                with self.batches.in_flight(self):  # the others' calls wait for this one's, as for a call sent
+                    usable = await self._from_drafter(speculation.usable(new_ids))
                 if usable is not None:
                     spent, message = usable
                     self._count_draft(spent)
@@ -156,7 +276,8 @@ class DecodeLoop:
             tick = time.perf_counter()
             message = self._align(message)
             alignment_seconds = time.perf_counter() - tick
-            verifying = self.target.call("verify", self.request_id, message)
+            verifying = asyncio.ensure_future(self.batches.call(self, self.target, "verify_many",
+                                                                (self.request_id, message)))
             # a tree's accepted branch is not known ahead of verification: nothing to assume, no speculation
             speculating = self.pipelined and message.tree is None
             speculation = self._speculate(committed, message.candidates, remaining) if speculating else None
@@ -197,12 +318,17 @@ class DecodeLoop:
         if next_k <= 0 or not _complete(assumed):
             return None
         first_position = self.progress.position + len(candidates)  # the bonus token's position
-        return _Speculation(self._draft(assumed, next_k + 1, first_position), list(candidates), table)
+        return _Speculation(self._draft(assumed, next_k + 1, first_position, speculative=True), list(candidates),
+                            table)
 
-    def _draft(self, committed: bytes, k: int, first_position: int) -> Awaitable:
+    def _draft(self, committed: bytes, k: int, first_position: int, speculative: bool = False) -> Awaitable:
         """A drafter call with the next draft round: a missed speculative draft's tokens can stay in the drafter's
-        context (``DrafterContext.sync``), so the draft that replaces it must not reuse its random numbers."""
-        return self.drafter.call("draft", self.request_id, committed, k, first_position, self.progress.next_round())
+        context (``DrafterContext.sync``), so the draft that replaces it must not reuse its random numbers.
+        A speculative draft goes at once, alone (this request is verifying: it is not in the draft step)."""
+        item = (self.request_id, committed, k, first_position, self.progress.next_round())
+        if speculative:  # shared: a cancelled request must not cancel a drafter call holding its session
+            return _first(self.drafter.call_shared("draft_many", [item]))
+        return self.batches.call(self, self.drafter, "draft_many", item)
 
     def _count_draft(self, message: Draft) -> None:
         self.stats.drafter_forwards += message.drafter_forwards
@@ -233,6 +359,9 @@ class LocalWorker:
     def call(self, method: str, *args) -> Awaitable:
         # run_in_executor starts the call now, like an actor call, even if nobody awaits it (a close)
         return asyncio.get_running_loop().run_in_executor(None, functools.partial(getattr(self.worker, method), *args))
+
+    def call_shared(self, method: str, *args) -> Awaitable:
+        return self.call(method, *args)
 
     def call_detached(self, method: str, *args) -> Awaitable:
         return self.call(method, *args)
@@ -279,6 +408,17 @@ class ActorWorker:
         task.add_done_callback(_retrieve)  # a dropped speculative draft's failure is not worth a warning
         return task
 
+    def call_shared(self, method: str, *args) -> Awaitable:
+        # Ray cancels every actor call a cancelled task made (recursively), a running one included: a batch
+        # call made from one request's task would go with that request. Made from an empty context, it
+        # belongs to no task (as call_detached below).
+        if not self.available:
+            raise WorkerLost(self.role)
+        ref = contextvars.Context().run(getattr(self.handle, method).remote, *args)
+        task = asyncio.ensure_future(self._result(ref))
+        task.add_done_callback(_retrieve)
+        return task
+
     async def _result(self, ref):
         try:
             return await ref
@@ -291,6 +431,14 @@ class ActorWorker:
         # Ray cancels every call a cancelled task made, recursively, even one made while it unwinds; a call
         # made from an empty context belongs to no task (what Serve's own long-poll client does).
         return contextvars.Context().run(getattr(self.handle, method).remote, *args)
+
+
+async def _first(call: Awaitable):
+    """The only outcome of a one-item batch call (raised if it is an exception)."""
+    [outcome] = await call
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def _retrieve(task: asyncio.Future) -> None:

@@ -39,9 +39,11 @@ class Sessions(Generic[Session]):
         self._release = release
         self._entries: dict[str, _Entry[Session]] = {}
         self._guard = threading.Lock()  # protects the dict, never held during model work
+        self._closing = 0  # closed, but still held until the call running on them ends
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Sessions holding a KV cache (one being closed counts until it is freed)."""
+        return len(self._entries) + self._closing
 
     def in_flight(self, within_s: float) -> int:
         """Sessions in use now or used in the last ``within_s`` seconds: the requests this actor is serving."""
@@ -52,7 +54,7 @@ class Sessions(Generic[Session]):
         with self._guard:
             if request_id in self._entries:
                 raise ValueError(f"session {request_id} is already open")
-            if len(self._entries) >= self.max_sessions:
+            if len(self) >= self.max_sessions:
                 raise SessionLimitReached(f"this actor already holds {self.max_sessions} sessions (max_sessions)")
             self._entries[request_id] = _Entry(session)
 
@@ -73,11 +75,16 @@ class Sessions(Generic[Session]):
     def close(self, request_id: str) -> bool:
         """Free a session; False if there was none (already closed or expired)."""
         with self._guard:
-            entry = self._entries.pop(request_id, None)
-        if entry is None:
-            return False
-        with entry.lock:  # a call still running on this session finishes first
-            self._release(entry.session)
+            entry = self._entries.pop(request_id, None)  # no new call gets it from here on
+            if entry is None:
+                return False
+            self._closing += 1
+        try:
+            with entry.lock:  # a call still running on this session finishes first
+                self._release(entry.session)
+        finally:
+            with self._guard:
+                self._closing -= 1
         return True
 
     def close_idle(self) -> list[str]:

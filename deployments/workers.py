@@ -5,6 +5,15 @@ process. They call the library's steps and nothing else, so the distributed loop
 ``hetspec.engine.Engine.stream`` computes: the drafter ``algorithm.draft`` on a ``DrafterSide``, the
 target ``TargetSide.verify``. Alignment and the bookkeeping stay in the coordinator.
 
+Batching: ``draft_many`` and ``verify_many`` take the step of several requests at once (the coordinator
+gathers them, deployments/pipeline.py ``StepBatches``). Each request's step is a computation of the
+library's (a generator of passes), and every computation of every call shares the model's passes through
+``hetspec.kv.SharedPasses``: one pass feeds every request waiting at that moment, and a call that arrives
+while a pass runs joins the next one (drafts of several requests advance together, one verification pass
+checks every request's draft). A session's prompt is prefilled in chunks when it opens
+(``pipeline.prefill_chunk_tokens``), each chunk a pass of its own, so a long prompt delays the others by
+one chunk at a time.
+
 Large tensors leave through ``store`` and arrive through ``fetch`` (``ray.put`` / ``ray.get`` in actors):
 ``draft_probs`` [k, target_vocab] travels by object reference from the drafter to the target.
 """
@@ -13,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -22,7 +33,7 @@ import torch
 from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
 from hetspec.decoder import TargetSide
-from hetspec.kv import run_alone
+from hetspec.kv import SharedPasses, prefill
 from hetspec.models import LanguageModel, load_model
 from hetspec.tree import TokenTree
 
@@ -46,6 +57,7 @@ class ModelInfo:
     tokenizer: Any
     vocab_size: int
     eos_token_ids: frozenset[int]
+    kv_bytes_per_token: int = 0  # keys and values of one token, all layers (admission's KV budget)
 
     def stand_in(self) -> LanguageModel:
         """A LanguageModel without weights: enough for tokenizing, vocabulary maps and ``OutputText``."""
@@ -82,6 +94,8 @@ class _Worker:
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
             in_flight=(lambda: self.sessions.in_flight(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
         self.model = self.model_threads.run(_load, model)[0]
+        self.passes = SharedPasses(self.model, execute=self.model_threads.run, on_pass=self._record_pass)
+        self.prefill_chunk_tokens = pipeline.prefill_chunk_tokens
         self.actor_id = uuid.uuid4().hex[:8]
         self.sessions.start_sweeper(self._expired)
         self._calls = 0
@@ -90,7 +104,8 @@ class _Worker:
         self._tags = {"role": self.role, "actor": self.actor_id}
 
     def info(self) -> ModelInfo:
-        return ModelInfo(self.model.name, self.model.tokenizer, self.model.vocab_size, self.model.eos_token_ids)
+        return ModelInfo(self.model.name, self.model.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
+                         self.model.kv_pool.bytes_per_token)
 
     def ping(self) -> str:
         return self.actor_id
@@ -103,8 +118,35 @@ class _Worker:
             return None
 
     def stats(self) -> dict:
+        pool = self.model.kv_pool
         return {"actor": self.actor_id, "model": self.model.name, "active_sessions": len(self.sessions),
-                "max_sessions": self.sessions.max_sessions, "calls_in_progress": self._calls}
+                "max_sessions": self.sessions.max_sessions, "calls_in_progress": self._calls,
+                "forward_passes": self.passes.passes, "pass_rows": self.passes.rows,
+                "kv_bytes_per_token": pool.bytes_per_token, "kv_reserved_bytes": pool.reserved_bytes}
+
+    def _run_for(self, items: list[tuple[str, tuple]], computation: Callable[..., Any]) -> tuple[list, float]:
+        """(per item its result or exception, seconds): ``computation(session, *args)`` of each (request_id, args),
+        all started in the same pass and sharing passes with the other calls running meanwhile."""
+        self._count_call(+len(items))
+        try:
+            with ExitStack() as held:
+                outcomes: list[Any] = [None] * len(items)
+                started: list[tuple[int, Any]] = []
+                for index, (request_id, args) in enumerate(items):
+                    try:
+                        started.append((index, computation(held.enter_context(self.sessions.use(request_id)), *args)))
+                    except Exception as error:  # e.g. UnknownSession: this item fails, the others run
+                        outcomes[index] = error
+                tick = time.perf_counter()
+                for (index, _), outcome in zip(started, self.passes.run_many([steps for _, steps in started])):
+                    outcomes[index] = outcome
+                return outcomes, time.perf_counter() - tick
+        finally:
+            self._count_call(-len(items))
+
+    def _record_pass(self, rows: int) -> None:
+        self._metrics.passes.inc(tags=self._tags)
+        self._metrics.pass_rows.observe(rows, tags={"role": self.role})
 
     def close(self, request_id: str) -> bool:
         closed = self.sessions.close(request_id)
@@ -116,6 +158,15 @@ class _Worker:
         self.sessions.open(request_id, session)
         self._publish()
 
+    def _prefill(self, request_id: str, cached: Callable[[Any], tuple]) -> None:
+        """The opened session's prompt into its KV row; ``cached(session)``: (its KVSession, its ids)."""
+        [outcome], _ = self._run_for([(request_id, ())], lambda session: prefill(*cached(session),
+                                                                                  self.prefill_chunk_tokens))
+        if isinstance(outcome, BaseException):
+            self.close(request_id)  # no half-filled session left behind
+            raise outcome
+        self._publish()
+
     def _expired(self, request_ids: list[str]) -> None:
         self._metrics.expired_sessions.inc(len(request_ids), tags={"role": self.role})
         self._publish()
@@ -123,6 +174,7 @@ class _Worker:
 
     def _publish(self) -> None:
         self._metrics.active_sessions.set(len(self.sessions), tags=self._tags)
+        self._metrics.kv_reserved_bytes.set(self.model.kv_pool.reserved_bytes, tags=self._tags)
         self._metrics.queue_depth.set(self._calls, tags=self._tags)
 
     def _count_call(self, delta: int) -> None:
@@ -163,21 +215,21 @@ class DrafterWorker(_Worker):
         side, _ = self.model_threads.run(DrafterSide, self.model, prompt_ids, speculation.alignment_window)
         session = _DrafterSession(side, make_algorithm(algorithm, self.maps, speculation, params), params)
         self._open(request_id, session)
+        self._prefill(request_id, lambda session: (session.side.session, session.side.context.ids))
 
-    def draft(self, request_id: str, committed: bytes, k: int, first_position: int, draft_round: int) -> Draft:
-        """``algorithm.draft`` after the committed text (the drafter re-syncs to it first)."""
-        self._count_call(+1)
-        try:
-            with self.sessions.use(request_id) as session:
-                draft, seconds = self.model_threads.run(
-                    run_alone, self.model, session.algorithm.draft(session.side, committed, k, session.params,
-                                                                   first_position, draft_round))
-                if draft.draft_probs is not None:  # [k, target_vocab] travels by reference to the target
-                    draft.draft_probs = self.store(draft.draft_probs)
-                draft.seconds = seconds
-                return draft
-        finally:
-            self._count_call(-1)
+    def draft_many(self, items: list[tuple[str, bytes, int, int, int]]) -> list[Draft | Exception]:
+        """Per item (request_id, committed text, k, first position, draft round): ``algorithm.draft`` after the
+        committed text (the drafter re-syncs to it first), or the exception it raised; the drafts share passes."""
+        def draft(session: _DrafterSession, committed: bytes, k: int, first_position: int, draft_round: int):
+            return session.algorithm.draft(session.side, committed, k, session.params, first_position, draft_round)
+
+        outcomes, seconds = self._run_for([(item[0], item[1:]) for item in items], draft)
+        for outcome in outcomes:
+            if isinstance(outcome, Draft):
+                if outcome.draft_probs is not None:  # [k, target_vocab] travels by reference to the target
+                    outcome.draft_probs = self.store(outcome.draft_probs)
+                outcome.seconds = seconds
+        return outcomes
 
 
 @dataclass
@@ -201,17 +253,17 @@ class TargetWorker(_Worker):
         session = _TargetSession(self.model_threads.run(TargetSide, self.model, prompt_ids)[0],
                                  ALGORITHM_CLASSES[algorithm](None, speculation), params)
         self._open(request_id, session)
+        self._prefill(request_id, lambda session: (session.side.session, session.side.ids))
 
-    def verify(self, request_id: str, draft: Draft) -> VerifyResult:
-        self._count_call(+1)
-        try:
-            with self.sessions.use(request_id) as session:
-                draft = replace(draft, draft_probs=self._draft_probs(draft, session), first_row=0)
-                new_ids, seconds = self.model_threads.run(
-                    run_alone, self.model, session.side.verify(session.algorithm, draft, session.params))
-                return VerifyResult(new_ids, seconds)
-        finally:
-            self._count_call(-1)
+    def verify_many(self, items: list[tuple[str, Draft]]) -> list[VerifyResult | Exception]:
+        """Per item (request_id, draft): the ids the target commits, or the exception; one pass verifies them all."""
+        def verify(session: _TargetSession, draft: Draft):
+            draft = replace(draft, draft_probs=self._draft_probs(draft, session), first_row=0)
+            return session.side.verify(session.algorithm, draft, session.params)
+
+        outcomes, seconds = self._run_for([(request_id, (draft,)) for request_id, draft in items], verify)
+        return [outcome if isinstance(outcome, BaseException) else VerifyResult(outcome, seconds)
+                for outcome in outcomes]
 
     def _draft_probs(self, draft: Draft, session: _TargetSession) -> torch.Tensor | None:
         """[len(candidates), target_vocab] rows of the stored draft distribution, or None."""

@@ -24,9 +24,10 @@ last session closes. Memory per token: ``bytes_per_token``; per request: ``KVSes
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -351,26 +352,168 @@ def forward(language_model: "LanguageModel", feeds: list[Feed]) -> list[torch.Te
 Steps = Generator[Feed, torch.Tensor, Any]
 
 
+# A feed longer than this (a prompt, or a prompt's chunk) gets a pass of its own.
+ALONE_ABOVE_TOKENS = 32
+
+
+class _Lockstep:
+    """Computations in lockstep: ``advance`` starts or resumes one, ``run_pass`` feeds every waiting one in
+    one batched pass. A computation that raises fails alone; a pass that raises fails the ones it fed."""
+
+    def __init__(self, language_model: "LanguageModel", on_pass: Callable[[int], None] = lambda rows: None) -> None:
+        self.language_model = language_model
+        self.on_pass = on_pass  # called with each pass's rows
+        self.waiting: dict[Any, tuple[Steps, Feed]] = {}  # by key: the computation and the feed it waits on
+        self.passes = 0
+        self.rows = 0  # feeds over all passes
+
+    def advance(self, key: Any, computation: Steps, logits: torch.Tensor | None,
+                done: Callable[[Any, Any, BaseException | None], None]) -> None:
+        try:
+            self.waiting[key] = (computation, computation.send(logits))
+        except StopIteration as finished:
+            self.waiting.pop(key, None)
+            done(key, finished.value, None)
+        except Exception as error:
+            self.waiting.pop(key, None)
+            done(key, None, error)
+
+    def run_pass(self, done: Callable[[Any, Any, BaseException | None], None]) -> None:
+        """Feed the waiting computations: the short feeds in one pass, each long feed (a prompt) in its own,
+        since left padding would widen every other row of the pass to its length."""
+        short = [key for key in self.waiting if len(self.waiting[key][1].token_ids) <= ALONE_ABOVE_TOKENS]
+        groups = [short] if short else []
+        groups += [[key] for key in self.waiting if len(self.waiting[key][1].token_ids) > ALONE_ABOVE_TOKENS]
+        for keys in groups:
+            self.passes += 1
+            self.rows += len(keys)
+            self.on_pass(len(keys))
+            try:
+                all_logits = forward(self.language_model, [self.waiting[key][1] for key in keys])
+            except Exception as error:
+                for key in keys:
+                    self.waiting.pop(key)[0].close()
+                    done(key, None, error)
+                continue
+            for key, logits in zip(keys, all_logits):
+                self.advance(key, self.waiting[key][0], logits, done)
+
+
 def run_lockstep(language_model: "LanguageModel", computations: Sequence[Steps]) -> list[Any]:
     """Run several requests' computations with one batched pass per round: every computation that waits for
     logits is fed in the same pass (a draft of k tokens costs k passes for all requests together)."""
     results: list[Any] = [None] * len(computations)
-    waiting: dict[int, Feed] = {}
+    errors: list[BaseException] = []
 
-    def advance(index: int, logits: torch.Tensor | None) -> None:
-        try:
-            waiting[index] = computations[index].send(logits)
-        except StopIteration as finished:
-            waiting.pop(index, None)
-            results[index] = finished.value
+    def done(index: int, result: Any, error: BaseException | None) -> None:
+        results[index] = result
+        if error is not None:
+            errors.append(error)
 
-    for index in range(len(computations)):
-        advance(index, None)
-    while waiting:
-        indices = list(waiting)
-        for index, logits in zip(indices, forward(language_model, [waiting[index] for index in indices])):
-            advance(index, logits)
+    lockstep = _Lockstep(language_model)
+    for index, computation in enumerate(computations):
+        lockstep.advance(index, computation, None, done)
+    while lockstep.waiting and not errors:
+        lockstep.run_pass(done)
+    for computation, _ in lockstep.waiting.values():
+        computation.close()
+    if errors:
+        raise errors[0]
     return results
+
+
+class SharedPasses:
+    """One model's passes shared by computations that arrive from many threads (a served model's calls).
+
+    A computation submitted while a pass runs joins the next pass: each pass feeds every computation waiting
+    for logits at that moment, so concurrent requests cost one pass per round, not one each. The thread that
+    finds nobody driving drives until nothing waits; ``execute`` runs each round (the worker puts it on its
+    model thread); the others wait for their result. A computation that raises fails alone.
+    """
+
+    def __init__(self, language_model: "LanguageModel",
+                 execute: Callable[..., Any] = lambda work, *args: work(*args),
+                 on_pass: Callable[[int], None] = lambda rows: None) -> None:
+        self.execute = execute
+        self._lockstep = _Lockstep(language_model, on_pass)
+        self._guard = threading.Lock()
+        self._arrived: list[tuple[Future, Steps]] = []
+        self._driving = False
+
+    @property
+    def passes(self) -> int:
+        """Batched passes run so far."""
+        return self._lockstep.passes
+
+    @property
+    def rows(self) -> int:
+        """Feeds over all passes (rows / passes: the mean batch of a pass)."""
+        return self._lockstep.rows
+
+    def run(self, computation: Steps) -> Any:
+        """The computation's result, its passes shared with whatever else runs meanwhile."""
+        outcome = self.run_many([computation])[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def run_many(self, computations: Sequence[Steps]) -> list[Any]:
+        """Each computation's result, or the exception it raised; all of them start in the same pass."""
+        results = [Future() for _ in computations]
+        with self._guard:
+            self._arrived.extend(zip(results, computations))
+            drive, self._driving = not self._driving, True
+        try:
+            if drive:
+                self._drive()
+            wait(results)
+        except BaseException:  # interrupted: the computations still use the caller's sessions, so wait for them
+            wait(results)
+            raise
+        return [result.exception() or result.result() for result in results]
+
+    def _drive(self) -> None:
+        arrived: list[tuple[Future, Steps]] = []
+        try:
+            while True:
+                with self._guard:
+                    arrived, self._arrived = self._arrived, []
+                    if not arrived and not self._lockstep.waiting:
+                        self._driving = False
+                        return
+                self.execute(self._round, arrived)
+                arrived = []
+        except BaseException as error:  # the rounds cannot go on (their thread failed): nobody waits forever
+            with self._guard:
+                arrived, self._arrived = arrived + self._arrived, []
+                self._driving = False
+            for result, computation in [*arrived, *((key, waiting[0]) for key, waiting in
+                                                    list(self._lockstep.waiting.items()))]:
+                computation.close()
+                if not result.done():
+                    result.set_exception(error)
+            self._lockstep.waiting.clear()
+            raise
+
+    def _round(self, arrived: list[tuple[Future, Steps]]) -> None:
+        for result, computation in arrived:
+            self._lockstep.advance(result, computation, None, _settle)
+        if self._lockstep.waiting:
+            self._lockstep.run_pass(_settle)
+
+
+def _settle(result: Future, value: Any, error: BaseException | None) -> None:
+    if error is not None:
+        result.set_exception(error)
+    else:
+        result.set_result(value)
+
+
+def prefill(session: KVSession, ids: Sequence[int], chunk_tokens: int) -> Steps:
+    """Feed ``ids`` but the last (the first draft or verification feeds it) in chunks of ``chunk_tokens``,
+    one pass each: a joining prompt then delays the others' passes by one chunk at a time."""
+    while session.length < len(ids) - 1:
+        yield Feed(session, list(ids[session.length:len(ids) - 1][:chunk_tokens]), 1)
 
 
 def run_alone(language_model: "LanguageModel", computation: Steps) -> Any:

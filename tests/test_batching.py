@@ -12,6 +12,7 @@ difference fails. The count of such ties is printed (``-s``) and bounded.
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,7 @@ from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.adaptive import EXPLORE, LoadAdaptive, acceptance
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
-from hetspec.kv import Feed, forward
+from hetspec.kv import Feed, SharedPasses, forward, prefill, run_alone
 
 TIE_MARGIN = 1e-4
 
@@ -238,3 +239,47 @@ def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear(
     explorer = LoadAdaptive()
     explorer.target_cost, explorer.drafter_cost, explorer.probing = dear.target_cost, dear.drafter_cost, EXPLORE - 1
     assert set(explorer.choose(requests).values()) == {5}, "every EXPLORE-th step measures k again"
+
+
+def _greedy(model, prompt_ids: list[int], new_tokens: int, fail_after: int | None = None):
+    """A computation: prefill in chunks of 8, then greedy tokens one pass each; its generated ids."""
+    session = model.new_session()
+    try:
+        yield from prefill(session, prompt_ids, 8)
+        ids = list(prompt_ids)
+        for step in range(new_tokens):
+            if step == fail_after:
+                raise RuntimeError("this request fails")
+            logits = yield Feed(session, ids[session.length:], 1)  # [1, vocab]
+            ids.append(int(logits[0].argmax()))
+        return ids[len(prompt_ids):]
+    finally:
+        session.release()
+
+
+def test_shared_passes_batch_calls_from_many_threads_and_equal_each_alone():
+    """What a served worker does (deployments/workers.py): calls from many threads share passes, joining at the
+    next pass; each gets what it gets alone; a long prompt's chunks run in passes of their own; one failing
+    computation fails alone."""
+    model = language_model("target", target_tokenizer(), seed=0)
+    prompts = [[index % 4] * (3 + 7 * index) for index in range(10)]  # 3 to 66 tokens: some above ALONE_ABOVE
+    alone = [run_alone(model, _greedy(model, prompt, 6)) for prompt in prompts]
+    shared = SharedPasses(model)
+    results: dict[int, object] = {}
+
+    def call(index: int) -> None:
+        try:
+            results[index] = shared.run(_greedy(model, prompts[index % 10], 6, 2 if index == 10 else None))
+        except RuntimeError as error:
+            results[index] = error
+
+    threads = [threading.Thread(target=call, args=(index,)) for index in range(11)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [results[index] for index in range(10)] == alone
+    assert isinstance(results[10], RuntimeError)
+    own_passes = sum(6 + -(-(len(prompt) - 1) // 8) for prompt in prompts)
+    assert shared.passes < own_passes and shared.rows > shared.passes  # passes were shared
+    assert model.kv_pool.taken == set() and model.kv_pool.reserved_bytes == 0  # every row back, memory freed

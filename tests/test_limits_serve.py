@@ -1,7 +1,7 @@
 """API key, admission limits and deadlines on the real Serve app (small pair, three simulated nodes).
 
 One app for the module, configured tight so every limit is reached deterministically: an API key, one
-running request per pipeline, one waiting place, a 10 s request timeout. A "long" request counts upwards
+running request per pipeline, one waiting place, a KV cache budget, a 10 s request timeout. A "long" request counts upwards
 (the greedy continuation of a number sequence never ends) with a max_new_tokens far beyond what the small
 pair generates in 10 s on any machine, so it holds its slot until it is stopped.
 """
@@ -29,6 +29,7 @@ REQUEST_TIMEOUT_S = 10
 RETRY_AFTER_S = 2
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 LONG_TOKENS = 2048  # the small pair needs minutes for these: every long request is stopped by a limit
+KV_CACHE_BYTES = 300_000_000  # a long request (~2070 tokens x ~83 KB in both models) fits, not one 4x that
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def limited_app():
         auth={"api_keys": [API_KEY], "api_key_env": None},
         limits={"max_running_requests": 1, "max_waiting_requests": 1, "retry_after_s": RETRY_AFTER_S,
                 "request_timeout_s": REQUEST_TIMEOUT_S, "max_new_tokens": LONG_TOKENS,
-                "default_max_new_tokens": 4})
+                "default_max_new_tokens": 4, "kv_cache_bytes": KV_CACHE_BYTES})
     with serve_app(args) as app:
         yield app
 
@@ -183,6 +184,30 @@ def test_full_server_answers_429_and_resource_exhausted(limited_app, grpc_stub):
     after = _wait_for(limited_app, _idle, "idle")
     assert after["rejected_requests"] == before["rejected_requests"] + 4
     assert after["timed_out_requests"] == before["timed_out_requests"] + 1
+
+
+def test_a_request_whose_kv_cache_cannot_fit_is_turned_away_before_any_work(limited_app, grpc_stub):
+    before = _wait_for(limited_app, _idle, "idle")
+    per_token = before["target"]["kv_bytes_per_token"] + before["drafter"]["kv_bytes_per_token"]
+    assert (LONG_TOKENS + 20) * per_token < KV_CACHE_BYTES  # the other tests' long requests fit
+    prompt = ", ".join(str(number) for number in range(1, 501))  # ~2400 tokens: with LONG_TOKENS, past the budget
+    body = {"model": limited_app.model_id, "prompt": prompt, "max_tokens": LONG_TOKENS}
+    busy = httpx.post(f"{limited_app.http_url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert busy.status_code == 429, busy.text
+    assert busy.headers["retry-after"] == str(RETRY_AFTER_S) and "kv_cache_bytes" in busy.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as raised:
+        grpc_stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=LONG_TOKENS), metadata=GRPC_AUTH,
+                           timeout=30)
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "kv_cache_bytes" in raised.value.details()
+    after = _stats(limited_app)
+    assert after["rejected_requests"] == before["rejected_requests"] + 2
+    assert after["target"]["forward_passes"] == before["target"]["forward_passes"]  # no work was done
+    assert _idle(after) and after["admitted_kv_bytes"] == 0
+    # the same prompt with a budget that fits runs (the budget counts prompt + max_new_tokens)
+    fits = httpx.post(f"{limited_app.http_url}/v1/completions", json={**body, "max_tokens": 2}, headers=AUTH,
+                      timeout=120)
+    assert fits.status_code == 200, fits.text
+    assert _wait_for(limited_app, _idle, "idle")["target"]["kv_reserved_bytes"] == 0
 
 
 def test_grpc_deadline_frees_the_sessions(limited_app, grpc_stub):

@@ -39,6 +39,45 @@ class TestAdmission:
 
         asyncio.run(scenario())
 
+    def test_kv_budget_admits_what_fits_queues_the_rest_and_rejects_what_never_fits(self):
+        async def scenario():
+            admission = Admission(max_running=8, max_waiting=2, retry_after_s=2, kv_budget=1000)
+            with pytest.raises(Overloaded, match="kv_cache_bytes") as raised:
+                admission.admit(1001)  # more than the whole budget: never, not even alone
+            assert raised.value.retry_after_s == 2 and admission.rejected == 1
+            big = admission.admit(600)
+            small = admission.admit(300)  # 900 of 1000: both run
+            assert (admission.running, admission.kv_bytes) == (2, 900)
+            blocked = admission.admit(200)  # would make 1100: waits
+            behind = admission.admit(50)  # would fit, but first come first served: waits behind it
+            assert (blocked.holds_slot, behind.holds_slot, admission.waiting) == (False, False, 2)
+            with pytest.raises(Overloaded, match="max_waiting_requests"):
+                admission.admit(1)
+            big.release()
+            await blocked.wait()
+            await behind.wait()
+            assert (admission.running, admission.kv_bytes, admission.waiting) == (3, 550, 0)
+            for ticket in (small, blocked, behind):
+                ticket.release()
+            assert (admission.running, admission.kv_bytes) == (0, 0)
+
+        asyncio.run(scenario())
+
+    def test_a_large_request_leaving_the_head_of_the_line_lets_the_next_in(self):
+        async def scenario():
+            admission = Admission(max_running=8, max_waiting=2, retry_after_s=1, kv_budget=1000)
+            holder = admission.admit(700)
+            large = admission.admit(900)
+            small = admission.admit(100)
+            large.release()  # e.g. its client went away while in line
+            await asyncio.wait_for(small.wait(), 1)
+            assert (admission.running, admission.kv_bytes) == (2, 800)
+            holder.release()
+            small.release()
+            assert (admission.running, admission.kv_bytes) == (0, 0)
+
+        asyncio.run(scenario())
+
     def test_first_come_first_served(self):
         async def scenario():
             admission = Admission(max_running=1, max_waiting=3, retry_after_s=1)

@@ -73,7 +73,8 @@ def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(
         def one_request(index: int):
             worker.open(f"r{index}", prompt_ids, "slem", SpeculationConfig(), SamplingParams())
             try:
-                return worker.verify(f"r{index}", Draft())
+                [result] = worker.verify_many([(f"r{index}", Draft())])
+                return result
             finally:
                 worker.close(f"r{index}")
 

@@ -185,13 +185,16 @@ def test_stop_strings_in_multi_token_steps_match_library(grpc_stub, openai_clien
     assert [token for chunk in chunks for token in chunk.model_extra["hetspec"]["token_ids"]] == expected.token_ids
 
 
-def test_eight_concurrent_streams_pipelined_and_not(served_app, reference):  # noqa: F811
-    """4 prompts x (pipelined, not): 8 streaming requests at once on the same actors, all the library's."""
+def test_eight_concurrent_streams_batched_over_grpc_and_http_equal_the_library(served_app, reference):  # noqa: F811
+    """8 streams at once, half HTTP (pipelined and not), half gRPC (other algorithms, draft lengths and budgets),
+    plus a 9th stream cancelled mid-way: every finished one is the library's, the actors' passes were shared
+    (far fewer target passes than the requests' own), and the cancelled one's KV rows come back."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{served_app.http_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    before = _wait_until_idle(served_app)
 
-    async def stream(prompt: str, pipelined: bool) -> tuple[list[int], str, dict]:
+    async def http_stream(prompt: str, pipelined: bool) -> tuple[list[int], str, dict]:
         token_ids, pieces, stats = [], [], {}
         chunks = await client.completions.create(model=served_app.model_id, prompt=prompt, max_tokens=NEW_TOKENS,
                                                  temperature=0, stream=True,
@@ -202,19 +205,52 @@ def test_eight_concurrent_streams_pipelined_and_not(served_app, reference):  # n
             stats = chunk.model_extra["hetspec"].get("stats", stats)
         return token_ids, "".join(pieces), stats
 
-    async def all_streams():
-        jobs = [(prompt, pipelined) for prompt in PROMPTS for pipelined in (False, True)]
-        return jobs, await asyncio.gather(*(stream(prompt, pipelined) for prompt, pipelined in jobs))
+    async def grpc_stream(prompt: str, algorithm: str, draft_tokens: int, new_tokens: int):
+        async with grpc.aio.insecure_channel(served_app.grpc_target) as channel:
+            request = pb.GenerateRequest(prompt=prompt, temperature=0.0, algorithm=algorithm,
+                                         draft_tokens=draft_tokens, max_new_tokens=new_tokens)
+            token_ids, pieces, stats = [], [], None
+            async for chunk in pb_grpc.HetSpecStub(channel).GenerateStream(request, timeout=600):
+                token_ids.extend(chunk.token_ids)
+                pieces.append(chunk.text)
+                stats = chunk.stats if chunk.HasField("stats") else stats
+            return token_ids, "".join(pieces), {"target_forwards": stats.target_forwards}
 
-    jobs, results = asyncio.run(all_streams())
-    for (prompt, pipelined), (token_ids, text, stats) in zip(jobs, results):
+    async def cancelled_stream() -> None:
+        async with grpc.aio.insecure_channel(served_app.grpc_target) as channel:
+            request = pb.GenerateRequest(prompt=PROMPTS[0], temperature=0.0, max_new_tokens=256)
+            call = pb_grpc.HetSpecStub(channel).GenerateStream(request, timeout=600)
+            await call.read()  # its first text: it is decoding in the batch
+            call.cancel()
+
+    grpc_jobs = [(PROMPTS[0], "tli", 3, NEW_TOKENS), (PROMPTS[1], "ar", 1, 10), (PROMPTS[2], "slrs", 6, NEW_TOKENS),
+                 (PROMPTS[3], "slem", 2, 12)]
+    http_jobs = [(prompt, pipelined) for prompt, pipelined in zip(PROMPTS, (False, True, True, False))]
+
+    async def all_streams():
+        return await asyncio.gather(*(http_stream(*job) for job in http_jobs),
+                                    *(grpc_stream(*job) for job in grpc_jobs), cancelled_stream())
+
+    results = asyncio.run(all_streams())
+    for (prompt, pipelined), (token_ids, text, stats) in zip(http_jobs, results):
         expected = reference(prompt)
         assert (token_ids, text) == (expected.token_ids, expected.text), (prompt, pipelined)
         assert stats["pipelined"] is pipelined
         if not pipelined:
             assert stats["pipeline_hits"] == stats["pipeline_misses"] == 0
-    stats = _wait_until_idle(served_app)
-    assert stats["ongoing_requests"] == 0
+    for (prompt, algorithm, _, new_tokens), (token_ids, text, _) in zip(grpc_jobs, results[len(http_jobs):]):
+        expected = reference(prompt, max_new_tokens=new_tokens)
+        assert (token_ids, text) == (expected.token_ids, expected.text), (prompt, algorithm)
+    after = _wait_until_idle(served_app)
+    assert after["ongoing_requests"] == 0 and after["cancelled_requests"] == before["cancelled_requests"] + 1
+    assert after["target"]["kv_reserved_bytes"] == after["drafter"]["kv_reserved_bytes"] == 0
+    assert after["admitted_kv_bytes"] == 0
+    # each request alone: a prefill pass and its verification passes; batched, the actors shared them
+    own_passes = sum(1 + stats["target_forwards"] for _, _, stats in results[:-1])
+    passes = after["target"]["forward_passes"] - before["target"]["forward_passes"]
+    rows = after["target"]["pass_rows"] - before["target"]["pass_rows"]
+    print(f"target passes {passes} for {own_passes} requests' own; {rows / passes:.2f} requests per pass")
+    assert passes < 0.75 * own_passes and rows > passes
 
 
 def test_sessions_freed_after_client_disconnects(served_app):  # noqa: F811
@@ -232,6 +268,7 @@ def test_sessions_freed_after_client_disconnects(served_app):  # noqa: F811
         # leaving the block closes the connection mid-stream (200 tokens take far longer than we stay)
     after = _wait_until_idle(served_app)
     assert after["cancelled_requests"] == before["cancelled_requests"] + 1
+    assert after["target"]["kv_reserved_bytes"] == after["drafter"]["kv_reserved_bytes"] == 0
 
 
 def test_placement_strict_spread_puts_each_on_its_own_node(served_app):  # noqa: F811

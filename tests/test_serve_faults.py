@@ -45,7 +45,7 @@ def reference(gemma):
 # --- in process: the coordinator's drafter-loss fallback -------------------------------------------------
 
 class DrafterDyingAfter:
-    """A drafter worker in this process whose ``draft`` calls fail with WorkerLost after ``drafts`` calls
+    """A drafter worker in this process whose ``draft_many`` calls fail with WorkerLost after ``drafts`` calls
     (``drafts=-1``: it is already gone when the request opens its session), as an actor's would."""
 
     def __init__(self, worker, drafts: int):
@@ -58,13 +58,16 @@ class DrafterDyingAfter:
     def call(self, method: str, *args):
         from deployments.pipeline import WorkerLost
 
-        if method in ("open", "draft"):
-            if self.drafts_left == -1 or (method == "draft" and self.drafts_left == 0):
+        if method in ("open", "draft_many"):
+            if self.drafts_left == -1 or (method == "draft_many" and self.drafts_left == 0):
                 lost = asyncio.get_running_loop().create_future()
                 lost.set_exception(WorkerLost("drafter"))
                 return lost
-            self.drafts_left -= method == "draft"
+            self.drafts_left -= method == "draft_many"
         return self.local.call(method, *args)
+
+    def call_shared(self, method: str, *args):
+        return self.call(method, *args)
 
     def call_detached(self, method: str, *args) -> None:
         self.local.call_detached(method, *args)

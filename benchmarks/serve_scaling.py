@@ -1,0 +1,239 @@
+"""Served throughput by concurrency: the batching server against the target alone, speculation off and the
+unbatched server, in one run on the same prompts and threads.
+
+    python -m benchmarks.serve_scaling --config deployments/config.yaml --target-dtype float32 \
+        --baseline-commit 4661b7f --out benchmarks/results/serve-scaling-f32
+
+Steps, one after the other (never two at once on this machine):
+1. ``hf-batched``: transformers' ``generate`` of the target alone, greedy, on a left-padded batch of the first
+   c prompts, for each concurrency c (what a user gets without a server);
+2. the server of this checkout (``serve run`` of the config): ``serve_bench`` at each concurrency with the
+   config's speculation (gRPC and HTTP) and with ``algorithm: ar`` (speculation off, gRPC);
+3. the server of ``--baseline-commit`` (a git worktree; the unbatched server) with the config's speculation.
+
+Each level sends as many requests as clients (two at concurrency 1), closed loop, ``--max-new-tokens`` each.
+Writes result.json, README.md (tokens/s by method and concurrency, ratios, TTFT/TPOT) and throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks import report
+from benchmarks.batch_bench import hf_batched
+from benchmarks.prompts import load_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+HEALTH_TIMEOUT_S = 1200
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "deployments" / "config.yaml")
+    parser.add_argument("--target-dtype", help="override the config's target dtype (e.g. float32)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--baseline-concurrency", type=int, nargs="+", default=[1, 4],
+                        help="levels run on the baseline server (it serves one request at a time: slow)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--task", default="humaneval")
+    parser.add_argument("--baseline-commit", help="the unbatched server's commit; omitted: not run")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["hf", "server", "baseline"])
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args(argv)
+
+
+def served_config(args: argparse.Namespace, folder: Path) -> Path:
+    config = yaml.safe_load(args.config.read_text())
+    app = config["applications"][0]["args"]
+    if args.target_dtype:
+        app["target"]["dtype"] = args.target_dtype
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def run_hf(args: argparse.Namespace, config: Path) -> dict:
+    from hetspec import load_model
+
+    target_config = yaml.safe_load(config.read_text())["applications"][0]["args"]["target"]
+    import torch
+    torch.set_num_threads(target_config.get("threads") or torch.get_num_threads())
+    target = load_model(target_config["model"], dtype=target_config.get("dtype", "float32"))
+    prompts = [case.prompt for case in load_prompts(args.task, max(args.concurrency))]
+    hf_batched(target, prompts[:1], 4)  # warm-up
+    levels = {}
+    for concurrency in args.concurrency:
+        repeats = 2 if concurrency == 1 else 1  # as the servers: two requests at concurrency 1
+        tokens, seconds = 0, 0.0
+        for _ in range(repeats):
+            made, took, _ = hf_batched(target, prompts[:concurrency], args.max_new_tokens)
+            tokens, seconds = tokens + made, seconds + took
+        levels[concurrency] = {"tokens_per_second": tokens / seconds, "output_tokens": tokens, "wall_seconds": seconds}
+        print(f"hf-batched c={concurrency}: {tokens / seconds:.2f} tok/s", flush=True)
+    del target
+    gc.collect()
+    return levels
+
+
+class Served:
+    """``serve run`` of a config from a checkout, in its own process group; stopped by SIGINT (Serve's path)."""
+
+    def __init__(self, checkout: Path, config: Path, log: Path):
+        env = {**os.environ, "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.log = log.open("w")
+        self.process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)],
+                                        cwd=checkout, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+
+    def __enter__(self) -> "Served":
+        import httpx
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve run exited ({self.process.returncode}): see {self.log.name}")
+            try:
+                if httpx.get("http://127.0.0.1:8000/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(5)
+        raise TimeoutError(f"the server was not healthy within {HEALTH_TIMEOUT_S} s: see {self.log.name}")
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.process.pid, signal.SIGINT)
+        try:
+            self.process.wait(180)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+        self.log.close()
+
+
+def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protocol: str, algorithm: str,
+          folder: Path) -> dict:
+    """serve_bench at each concurrency: {concurrency: {protocol: level row}}."""
+    levels: dict = {}
+    for concurrency in concurrencies:
+        out = folder / f"{label}-c{concurrency}"
+        command = [sys.executable, "-m", "benchmarks.serve_bench", "--protocol", protocol, "--concurrency",
+                   str(concurrency), "--requests", str(max(2, concurrency)), "--max-new-tokens",
+                   str(args.max_new_tokens), "--task", args.task, "--num-prompts", str(max(args.concurrency)),
+                   "--warmup", "1" if concurrency == concurrencies[0] else "0", "--label", label, "--out", str(out)]
+        if algorithm:
+            command += ["--algorithm", algorithm]
+        subprocess.run(command, cwd=REPO, check=True)
+        rows = json.loads((out / "results.json").read_text())["levels"]
+        levels[concurrency] = {row["protocol"]: row for row in rows}
+        print(label, concurrency, {p: round(r["tokens_per_second"], 2) for p, r in levels[concurrency].items()},
+              flush=True)
+    return levels
+
+
+def markdown(result: dict) -> str:
+    meta, methods = result["meta"], result["methods"]
+    lines = [f"# Served throughput by concurrency ({result['settings']['pair']})", "",
+             f"Command: `{meta['command']}`  ", f"Commit: {meta['git_commit']}, {meta['date']}  ",
+             f"Machine: {meta['machine']['cpu_model']}, {meta['machine']['cpu_cores']} cores  ",
+             f"Baseline (unbatched server): {result['settings']['baseline_commit']}", "",
+             "Total output tokens per second over each level (closed-loop clients, greedy, "
+             f"{result['settings']['max_new_tokens']} new tokens, HumanEval prompts):", ""]
+    names = list(methods)
+    levels = result["settings"]["concurrency"]
+    lines += ["| clients | " + " | ".join(names) + " | served / 1 client | served / hf-batched | served / spec off |",
+              "|" + "---|" * (len(names) + 4)]
+    served = methods.get("served-grpc", {})
+    for concurrency in levels:
+        cells = [f"{methods[name][concurrency]['tokens_per_second']:.2f}" if concurrency in methods[name] else "-"
+                 for name in names]
+
+        def ratio(other: str) -> str:
+            mine, theirs = served.get(concurrency), methods.get(other, {}).get(concurrency)
+            return f"{mine['tokens_per_second'] / theirs['tokens_per_second']:.2f}x" if mine and theirs else "-"
+
+        scale = (f"{served[concurrency]['tokens_per_second'] / served[levels[0]]['tokens_per_second']:.2f}x"
+                 if concurrency in served and levels[0] in served else "-")
+        lines.append(f"| {concurrency} | " + " | ".join(cells) + f" | {scale} | {ratio('hf-batched')} | "
+                     f"{ratio('served-ar-grpc')} |")
+    lines += ["", "Latency of the batching server with speculation (ms, p50 / p99):", "",
+              "| clients | protocol | TTFT | TPOT | tokens per target pass |", "|---|---|---|---|---|"]
+    for name in ("served-grpc", "served-http"):
+        for concurrency, row in methods.get(name, {}).items():
+            lines.append(f"| {concurrency} | {row['protocol']} | {row['ttft_ms']['p50']:.0f} / "
+                         f"{row['ttft_ms']['p99']:.0f} | {row['tpot_ms']['p50']:.0f} / {row['tpot_ms']['p99']:.0f} | "
+                         f"{row['tokens_per_target_pass'] or 0:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name, levels in result["methods"].items():
+        points = sorted(levels.items())
+        axes.plot([c for c, _ in points], [row["tokens_per_second"] for _, row in points], marker="o", label=name)
+    axes.set_xlabel("concurrent clients")
+    axes.set_ylabel("output tokens per second (all clients)")
+    axes.set_xticks(result["settings"]["concurrency"])
+    axes.set_title(f"{result['settings']['pair']}, greedy, {result['settings']['max_new_tokens']} new tokens")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = served_config(args, args.out)
+    app = yaml.safe_load(config.read_text())["applications"][0]["args"]
+    methods: dict[str, dict] = {}
+    if "hf" not in args.skip:
+        methods["hf-batched"] = run_hf(args, config)
+    if "server" not in args.skip:
+        with Served(REPO, config, args.out / "serve.log"):
+            both = bench(args, "served", args.concurrency, "both", "", args.out / "raw")
+            methods["served-grpc"] = {c: rows["grpc"] for c, rows in both.items()}
+            methods["served-http"] = {c: rows["http"] for c, rows in both.items()}
+            spec_off = bench(args, "served-ar", args.concurrency, "grpc", "ar", args.out / "raw")
+            methods["served-ar-grpc"] = {c: rows["grpc"] for c, rows in spec_off.items()}
+    if args.baseline_commit and "baseline" not in args.skip:
+        with tempfile.TemporaryDirectory() as scratch:
+            worktree = Path(scratch) / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.baseline_commit], cwd=REPO,
+                           check=True)
+            try:
+                with Served(worktree, config, args.out / "serve-baseline.log"):
+                    old = bench(args, "unbatched", args.baseline_concurrency, "grpc", "", args.out / "raw")
+                    methods["unbatched-server-grpc"] = {c: rows["grpc"] for c, rows in old.items()}
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO)
+    result = {"meta": report.provenance(argv, "cpu", "benchmarks.serve_scaling"),
+              "settings": {"pair": f"{app['target']['model']} ({app['target']['dtype']}) <- {app['drafter']['model']}",
+                           "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
+                           "baseline_commit": args.baseline_commit, "speculation": app.get("speculation")},
+              "methods": methods}
+    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "README.md").write_text(markdown(result))
+    plot(result, args.out / "throughput.png")
+    print((args.out / "README.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
