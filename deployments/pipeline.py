@@ -144,7 +144,7 @@ class StepBatches:
         finally:
             if id(member) in self.states:
                 self.states[id(member)] = self.FREE
-            self._send_ready()
+            self._returned()
 
     def leave(self, member: object) -> None:
         self.states.pop(id(member), None)
@@ -201,8 +201,16 @@ class StepBatches:
             sent.set_exception(error)
         asyncio.ensure_future(sent).add_done_callback(lambda done: self._distribute(entries, done))
 
+    def _returned(self) -> None:
+        """A member's call came back: the members it frees get ``max_wait_s`` from now to call again."""
+        now = time.monotonic()
+        for key in self._first_pending:
+            self._first_pending[key] = now
+        self._send_ready()
+
     def _distribute(self, entries: list, done: asyncio.Future) -> None:
-        outcomes = [done.exception()] * len(entries) if done.exception() else done.result()
+        error = RuntimeError("the batched call was cancelled") if done.cancelled() else done.exception()
+        outcomes = [error] * len(entries) if error is not None else done.result()
         for (member, _, result, _), outcome in zip(entries, outcomes):
             if member in self.states:
                 self.states[member] = self.FREE
@@ -211,7 +219,7 @@ class StepBatches:
                     result.set_exception(outcome)
                 else:
                     result.set_result(outcome)
-        self._send_ready()
+        self._returned()
 
 
 class DecodeLoop:

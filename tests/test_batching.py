@@ -38,13 +38,13 @@ PROMPTS = [
 ]
 # mixed algorithms and parameters in one batch: budgets, stop strings, trees, adaptive k
 REQUESTS = [
-    ("slem", {"max_new_tokens": 24}, {}),
-    ("tli", {"max_new_tokens": 9}, {}),
-    ("ar", {"max_new_tokens": 20}, {}),
-    ("slrs", {"max_new_tokens": 16, "stop": [" the "]}, {}),
-    ("slem", {"max_new_tokens": 18}, {"tree_width": 3, "draft_tokens": 4}),
-    ("slem", {"max_new_tokens": 12}, {"adaptive": True, "draft_tokens": 2}),
-    ("tli", {"max_new_tokens": 22}, {"draft_tokens": 3}),
+    ("slem", {"max_new_tokens": 16}, {}),
+    ("tli", {"max_new_tokens": 7}, {}),
+    ("ar", {"max_new_tokens": 14}, {}),
+    ("slrs", {"max_new_tokens": 12, "stop": [" the "]}, {}),
+    ("slem", {"max_new_tokens": 12}, {"tree_width": 3, "draft_tokens": 4}),
+    ("slem", {"max_new_tokens": 10}, {"adaptive": True, "draft_tokens": 2}),
+    ("tli", {"max_new_tokens": 15}, {"draft_tokens": 3}),
 ]
 
 
@@ -123,8 +123,8 @@ def test_generate_batch_keeps_the_order_and_equals_generate(engine):
 
 
 def test_seeded_slem_in_a_batch_reproduces_the_target_alone_seed_for_seed(engine):
-    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=seed) for seed in range(6)]
-    prompts = [PROMPTS[seed % 3] for seed in range(6)]
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed) for seed in range(4)]
+    prompts = [PROMPTS[seed % 3] for seed in range(4)]
     slem = engine.generate_batch(prompts, params, speculation={"algorithm": "slem"})
     target_alone = engine.generate_batch(prompts, params, speculation={"algorithm": "ar"})
     assert [result.token_ids for result in slem] == [result.token_ids for result in target_alone]
@@ -162,7 +162,7 @@ def test_cancelling_mid_batch_frees_the_rows_at_once_and_leaves_the_others_uncha
 
 def test_load_adaptive_draft_length_changes_speed_only(engine, gemma):
     speculation = SpeculationConfig(algorithm="slem", load_adaptive=True)
-    params = SamplingParams(max_new_tokens=16)
+    params = SamplingParams(max_new_tokens=12)
     adaptive = engine.generate_batch(PROMPTS[:3], params, speculation=speculation)
     fixed = engine.generate_batch(PROMPTS[:3], params, speculation={"algorithm": "slem"})
     assert [result.token_ids for result in adaptive] == [result.token_ids for result in fixed]

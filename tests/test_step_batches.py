@@ -1,0 +1,101 @@
+"""deployments/pipeline.py StepBatches: when the coordinator sends its requests' draft and verify calls together."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.pipeline import StepBatches, WorkerLost
+
+
+class Recorder:
+    """A worker whose batch calls are recorded and answered with each item (or the item's exception)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list]] = []
+        self.gate: asyncio.Event | None = None  # set: calls wait for it before answering
+
+    def call_shared(self, method: str, items: list):
+        self.calls.append((method, list(items)))
+
+        async def answer():
+            if self.gate is not None:
+                await self.gate.wait()
+            return [item if not isinstance(item, BaseException) else item for item in items]
+
+        return asyncio.ensure_future(answer())
+
+
+def test_one_request_alone_is_never_held_back():
+    async def scenario():
+        batches, worker, member = StepBatches(max_wait_s=60), Recorder(), object()
+        batches.join(member)
+        assert await asyncio.wait_for(batches.call(member, worker, "verify_many", "a"), 1) == "a"
+        assert worker.calls == [("verify_many", ["a"])]
+
+    asyncio.run(scenario())
+
+
+def test_calls_leave_together_once_nobody_else_is_about_to_call():
+    async def scenario():
+        batches, target, drafter = StepBatches(max_wait_s=60), Recorder(), Recorder()
+        a, b, c = object(), object(), object()
+        for member in (a, b, c):
+            batches.join(member)
+        verify_a = asyncio.ensure_future(batches.call(a, target, "verify_many", "a"))
+        verify_b = asyncio.ensure_future(batches.call(b, target, "verify_many", "b"))
+        await asyncio.sleep(0.05)
+        assert target.calls == []  # c is free: it may be about to verify too
+        draft_c = asyncio.ensure_future(batches.call(c, drafter, "draft_many", "c"))
+        assert await asyncio.wait_for(asyncio.gather(verify_a, verify_b, draft_c), 1) == ["a", "b", "c"]
+        assert target.calls == [("verify_many", ["a", "b"])] and drafter.calls == [("draft_many", ["c"])]
+
+    asyncio.run(scenario())
+
+
+def test_a_call_in_flight_is_waited_for_and_a_slow_member_is_not():
+    async def scenario():
+        batches, target, drafter = StepBatches(max_wait_s=0.2), Recorder(), Recorder()
+        a, b = object(), object()
+        batches.join(a)
+        batches.join(b)
+        drafter.gate = asyncio.Event()
+        draft_b = asyncio.ensure_future(batches.call(b, drafter, "draft_many", "b"))
+        await asyncio.sleep(0.3)  # a is free (busy elsewhere) past max_wait_s: b's draft leaves without it
+        verify_a = asyncio.ensure_future(batches.call(a, target, "verify_many", "a"))
+        await asyncio.sleep(0.4)  # past max_wait_s: still waiting, since b's call is in flight
+        assert drafter.calls == [("draft_many", ["b"])] and target.calls == []
+        drafter.gate.set()
+        assert await draft_b == "b"
+        # b is back and free (it would verify next); it gets max_wait_s, then a leaves alone
+        assert await asyncio.wait_for(verify_a, 1) == "a"
+        assert target.calls == [("verify_many", ["a"])]
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_caller_leaves_the_batch_and_errors_reach_every_caller():
+    async def scenario():
+        batches, target = StepBatches(max_wait_s=60), Recorder()
+        a, b, c = object(), object(), object()
+        for member in (a, b, c):
+            batches.join(member)
+        verify_a = asyncio.ensure_future(batches.call(a, target, "verify_many", "a"))
+        verify_b = asyncio.ensure_future(batches.call(b, target, "verify_many", "b"))
+        await asyncio.sleep(0)
+        verify_a.cancel()  # its client went away: its task unwinds, then leaves
+        await asyncio.sleep(0)
+        batches.leave(a)
+        batches.leave(c)  # c finished: b is the last one
+        assert await asyncio.wait_for(verify_b, 1) == "b"
+        assert target.calls == [("verify_many", ["b"])]
+
+        class Lost(Recorder):
+            def call_shared(self, method, items):
+                raise WorkerLost("target")
+
+        with pytest.raises(WorkerLost):
+            await asyncio.wait_for(batches.call(b, Lost(), "verify_many", "b"), 1)
+
+    asyncio.run(scenario())
