@@ -18,6 +18,7 @@ Writes result.json, README.md (tokens/s by method and concurrency, ratios, TTFT/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -50,7 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-commit", help="the unbatched server's commit; omitted: not run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf", "server", "baseline"])
     parser.add_argument("--out", type=Path, required=True)
-    return parser.parse_args(argv)
+    parser.add_argument("--reuse", action="store_true", help="keep the steps already measured in --out (hf.json, "
+                        "raw/<label>-c<n>): a run cut short resumes where it stopped")
+    args = parser.parse_args(argv)
+    args.out, args.config = args.out.resolve(), args.config.resolve()  # the baseline runs in another folder
+    return args
 
 
 def served_config(args: argparse.Namespace, folder: Path) -> Path:
@@ -70,7 +75,7 @@ def run_hf(args: argparse.Namespace, config: Path) -> dict:
     import torch
     torch.set_num_threads(target_config.get("threads") or torch.get_num_threads())
     target = load_model(target_config["model"], dtype=target_config.get("dtype", "float32"))
-    prompts = [case.prompt for case in load_prompts(args.task, max(args.concurrency))]
+    prompts = [case.text for case in load_prompts(args.task, max(args.concurrency))]
     hf_batched(target, prompts[:1], 4)  # warm-up
     levels = {}
     for concurrency in args.concurrency:
@@ -128,6 +133,10 @@ def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protoc
     levels: dict = {}
     for concurrency in concurrencies:
         out = folder / f"{label}-c{concurrency}"
+        if args.reuse and (out / "results.json").exists():
+            rows = json.loads((out / "results.json").read_text())["levels"]
+            levels[concurrency] = {row["protocol"]: row for row in rows}
+            continue
         command = [sys.executable, "-m", "benchmarks.serve_bench", "--protocol", protocol, "--concurrency",
                    str(concurrency), "--requests", str(max(2, concurrency)), "--max-new-tokens",
                    str(args.max_new_tokens), "--task", args.task, "--num-prompts", str(max(args.concurrency)),
@@ -204,9 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     app = yaml.safe_load(config.read_text())["applications"][0]["args"]
     methods: dict[str, dict] = {}
     if "hf" not in args.skip:
-        methods["hf-batched"] = run_hf(args, config)
+        cached = args.out / "hf.json"
+        if args.reuse and cached.exists():
+            methods["hf-batched"] = {int(c): row for c, row in json.loads(cached.read_text()).items()}
+        else:
+            methods["hf-batched"] = run_hf(args, config)
+            cached.write_text(json.dumps(methods["hf-batched"], indent=1) + "\n")
+    def measured(label: str, levels: list[int]) -> bool:
+        return args.reuse and all((args.out / "raw" / f"{label}-c{c}" / "results.json").exists() for c in levels)
+
     if "server" not in args.skip:
-        with Served(REPO, config, args.out / "serve.log"):
+        with (contextlib.nullcontext() if measured("served", args.concurrency) and measured("served-ar", args.concurrency)
+              else Served(REPO, config, args.out / "serve.log")):
             both = bench(args, "served", args.concurrency, "both", "", args.out / "raw")
             methods["served-grpc"] = {c: rows["grpc"] for c, rows in both.items()}
             methods["served-http"] = {c: rows["http"] for c, rows in both.items()}
