@@ -157,7 +157,7 @@ class Coordinator:
         drafter_prompt_ids = self._prompt_ids(request, self.drafter_model) if algorithm.needs_drafter else None
         pipelined = self.config.pipeline.pipelined if request.pipelined is None else request.pipelined
         timeout_s = limits.request_timeout_s
-        return Prepared(request_id or uuid.uuid4().hex, algorithm, speculation, request.params,
+        return Prepared(request_id or uuid.uuid4().hex, algorithm, speculation, request.params.seeded(),
                         target_prompt_ids, drafter_prompt_ids, pipelined,
                         None if timeout_s is None else time.monotonic() + timeout_s)
 

@@ -123,6 +123,22 @@ def test_grpc_sampling_tli_matches_library(grpc_stub, engine, pipelined):
         assert list(response.token_ids) == expected.token_ids
 
 
+def test_unseeded_sampling_is_random_and_the_reported_seed_reproduces_it(grpc_stub, openai_client, served_app):  # noqa: F811
+    def http(seed=None):
+        completion = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], max_tokens=6,
+                                                      temperature=1.0, seed=seed)
+        return completion.model_extra["hetspec"]["token_ids"], completion.model_extra["hetspec"]["stats"]["seed"]
+
+    (first_ids, first_seed), (_, second_seed) = http(), http()
+    assert first_seed != second_seed
+    assert http(first_seed) == (first_ids, first_seed)
+    request = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=6, temperature=1.0)
+    unseeded = grpc_stub.Generate(request, timeout=300)
+    assert unseeded.stats.seed not in (0, first_seed)
+    request.seed = unseeded.stats.seed
+    assert list(grpc_stub.Generate(request, timeout=300).token_ids) == list(unseeded.token_ids)
+
+
 def test_http_completion_openai_client(openai_client, served_app, reference):  # noqa: F811
     expected = reference(PROMPTS[3])
     completion = openai_client.completions.create(
