@@ -295,9 +295,15 @@ def test_placement_strict_spread_puts_each_on_its_own_node(served_app):  # noqa:
     assert len(set(nodes.values())) == 3, nodes  # coordinator, drafter and target: three different nodes
 
 
-def test_models_and_health_routes(served_app):  # noqa: F811
+def test_models_and_health_routes(served_app, openai_client):  # noqa: F811
+    import openai
+
     models = httpx.get(f"{served_app.http_url}/v1/models", timeout=30).json()
     assert [model["id"] for model in models["data"]] == [served_app.model_id]
+    assert openai_client.models.retrieve(served_app.model_id).id == served_app.model_id
+    with pytest.raises(openai.NotFoundError) as raised:
+        openai_client.models.retrieve("gpt-4")
+    assert raised.value.body["code"] == "model_not_found" and "gpt-4" in raised.value.body["message"]
     assert httpx.get(f"{served_app.http_url}/health", timeout=30).json() == {"status": "ok"}
 
 
