@@ -99,7 +99,11 @@ def validation_to_invalid(error: ValidationError, renames: dict[str, str] | None
 
 
 def serve_request_id() -> str | None:
-    """Serve's id of the request being handled (it tags Serve's logs too); None outside a replica."""
+    """Serve's id of the request being handled (it tags Serve's logs too); None outside a replica.
+
+    Private API: Ray Serve 2.60 has no public accessor for the current request's id (its public
+    ``serve.get_replica_context()`` describes the replica, ``serve.get_multiplexed_model_id()`` reads one field
+    of this same private context). Pinned with ray in pyproject; if it moves, requests get our own ids."""
     try:
         from ray.serve.context import _get_serve_request_context
 
