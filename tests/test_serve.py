@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -19,6 +20,8 @@ from hetspec import Engine, SamplingParams, SpeculationConfig
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
 from serve_fixtures import NEW_TOKENS, served_app  # noqa: F401 -- the module's fixture
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
@@ -293,6 +296,20 @@ def test_placement_strict_spread_puts_each_on_its_own_node(served_app):  # noqa:
     nodes = serve.get_deployment_handle("HetSpecServer", app_name="hetspec").actor_nodes.remote().result()
     assert None not in nodes.values()
     assert len(set(nodes.values())) == 3, nodes  # coordinator, drafter and target: three different nodes
+
+
+def test_client_sends_the_application_metadata(served_app):  # noqa: F811
+    import subprocess
+    import sys
+
+    def client(application: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "deployments.client", "grpc", "--target", served_app.grpc_target,
+                               "--prompt", PROMPTS[1], "--max-new-tokens", "3", "--application", application],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+
+    assert client("hetspec").returncode == 0
+    unknown = client("no-such-app")
+    assert unknown.returncode != 0 and "no-such-app" in unknown.stdout + unknown.stderr
 
 
 def test_models_and_health_routes(served_app, openai_client):  # noqa: F811
