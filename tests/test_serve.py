@@ -312,6 +312,35 @@ def test_client_sends_the_application_metadata(served_app):  # noqa: F811
     assert unknown.returncode != 0 and "no-such-app" in unknown.stdout + unknown.stderr
 
 
+def test_latency_and_load_metrics_reach_rays_prometheus_endpoint(openai_client, served_app):  # noqa: F811
+    """What a user scrapes: each node's metrics export port (the replica runs on one of the three)."""
+    import re
+
+    openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    wanted = ["ray_hetspec_time_to_first_token_seconds_count", "ray_hetspec_time_per_output_token_seconds_count",
+              "ray_hetspec_request_latency_seconds_count", "ray_hetspec_queue_time_seconds_count",
+              "ray_hetspec_running_requests", "ray_hetspec_waiting_requests", "ray_hetspec_kv_reserved_bytes",
+              "ray_hetspec_forward_passes_total"]
+
+    def scraped() -> dict[str, float]:
+        values: dict[str, float] = {}
+        for url in served_app.metrics_urls:
+            for line in httpx.get(url, timeout=30).text.splitlines():
+                found = re.match(r"^(ray_hetspec_\w+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+                if found:
+                    values[found[1]] = values.get(found[1], 0.0) + float(found[2])
+        return values
+
+    deadline = time.monotonic() + 90  # Ray's agents export every few seconds
+    while not set(wanted) <= set(values := scraped()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert set(wanted) <= set(values), sorted(set(wanted) - set(values))
+    assert values["ray_hetspec_time_to_first_token_seconds_count"] >= 1
+    assert values["ray_hetspec_time_per_output_token_seconds_sum"] > 0
+    assert values["ray_hetspec_request_latency_seconds_sum"] >= values["ray_hetspec_time_to_first_token_seconds_sum"] > 0
+    assert values["ray_hetspec_forward_passes_total"] >= 1
+
+
 def test_models_and_health_routes(served_app, openai_client):  # noqa: F811
     import openai
 
