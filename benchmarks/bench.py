@@ -27,7 +27,7 @@ from benchmarks.methods import FAMILIES, MethodSpec, RunRecord, Runner, build_me
 from benchmarks.prompts import TASKS, PromptCase, load_prompts
 from hetspec import Engine, SamplingParams, load_model
 
-PAIRS = {  # label: (target, drafter, dtype), see ../shared/MODELS.md
+PAIRS = {  # label: (target, drafter, dtype), see docs/models.md
     "small": ("gemma3-270m", "smollm2-135m", "float32"),
     "realistic": ("qwen2.5-coder-1.5b", "smollm2-135m", "bfloat16"),
     "same-vocab": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "bfloat16"),
@@ -37,7 +37,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hetspec bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pair", choices=sorted(PAIRS), default="realistic", help="model pair (MODELS.md)")
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="realistic", help="model pair (docs/models.md)")
     parser.add_argument("--target", help="target model (short name, .gguf, folder or hub id); overrides --pair")
     parser.add_argument("--drafter", help="drafter model; overrides --pair")
     parser.add_argument("--label", help="name of the pair in reports (default: --pair, or 'custom')")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Awaitable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 # Longest a slot waits for its request's session closes before it is handed on anyway (a dead actor's
 # close never answers; the actor's idle sweep frees what is left).
@@ -108,9 +108,12 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, max_running: int, max_waiting: int, retry_after_s: float, kv_budget: int | None = None):
+    def __init__(self, max_running: int, max_waiting: int, retry_after_s: float, kv_budget: int | None = None,
+                 on_change: Callable[[], None] = lambda: None):
+        """``on_change``: called whenever the running or waiting requests change (the metrics gauges)."""
         if max_running < 1 or max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        self.on_change = on_change
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.retry_after_s = retry_after_s
@@ -140,6 +143,7 @@ class Admission:
         if not self._line and self._fits(kv_bytes):
             self.running += 1
             self.kv_bytes += kv_bytes
+            self.on_change()
             return Ticket(self, None, kv_bytes)
         if len(self._line) >= self.max_waiting:
             self.rejected += 1
@@ -148,6 +152,7 @@ class Admission:
                              f"{len(self._line)} waiting (limits.max_waiting_requests)", self.retry_after_s)
         ticket = Ticket(self, asyncio.get_running_loop().create_future(), kv_bytes)
         self._line.append(ticket)
+        self.on_change()
         return ticket
 
     def _free(self, ticket: Ticket) -> None:
@@ -155,6 +160,7 @@ class Admission:
         self.running -= 1
         self.kv_bytes -= ticket.kv_bytes
         self._hand_room()
+        self.on_change()
 
     def _leave_line(self, ticket: Ticket) -> None:
         try:
@@ -162,6 +168,7 @@ class Admission:
         except ValueError:  # already handed over and popped
             pass
         self._hand_room()  # a large request that left the head of the line may have held back smaller ones
+        self.on_change()
 
     def _hand_room(self) -> None:
         while self._line and self._fits(self._line[0].kv_bytes):

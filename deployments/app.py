@@ -75,15 +75,22 @@ def deployment_options(config: AppConfig) -> dict:
         "backpressure_config": {"status_code": 429, "retry_after_s": limits.retry_after_s},
         "autoscaling_config": {"min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
                                "target_ongoing_requests": scaling.target_ongoing_requests},
-        "health_check_period_s": 10,
-        "health_check_timeout_s": 30,
+        "health_check_period_s": config.lifecycle.health_check_period_s,
+        "health_check_timeout_s": config.lifecycle.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": config.lifecycle.graceful_shutdown_wait_loop_s,
     }
 
 
 def build_app(args: dict) -> serve.Application:
     """The Serve app builder named in the config files (``import_path: deployments.app:build_app``)."""
     config = AppConfig.model_validate(args)
-    ingress = serve.ingress(build_openai_app)(HetSpecServer)
+    cors = config.cors
+
+    def http_app():  # a plain function: Serve calls builder functions (a functools.partial it would not)
+        return build_openai_app(cors=cors)
+
+    ingress = serve.ingress(http_app)(HetSpecServer)
     # plain JSON for the replicas, API keys included (every other dump of the config masks them)
     replica_args = config.model_dump(mode="json", context={"reveal_secrets": True})
     return serve.deployment(ingress, **deployment_options(config)).bind(replica_args)

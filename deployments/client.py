@@ -76,6 +76,8 @@ def grpc_call(args) -> int:
     if args.pipelined is not None:
         request.pipelined = args.pipelined
     metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+    if args.application:  # Serve routes gRPC by this metadata once it runs several applications
+        metadata += (("application", args.application),)
     with grpc.insecure_channel(args.target) as channel:
         stub = pb_grpc.HetSpecStub(channel)
         try:
@@ -146,6 +148,8 @@ def main() -> int:
         command = commands.add_parser(name, help=f"one generation over {name}")
         if name == "grpc":
             command.add_argument("--target", default="127.0.0.1:9000", help="host:port of Serve's gRPC proxy")
+            command.add_argument("--application", help="the Serve application's name (e.g. hetspec), sent as gRPC "
+                                 "'application' metadata: needed when Serve runs more than one application")
         else:
             command.add_argument("--url", default="http://127.0.0.1:8000")
             command.add_argument("--chat", action="store_true", help="/v1/chat/completions instead of completions")

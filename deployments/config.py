@@ -59,6 +59,29 @@ class PipelineConfig(StrictModel):
         "the other requests' passes, so a long prompt does not stall their decoding."))
 
 
+class CorsConfig(StrictModel):
+    allow_origins: list[str] = Field(default_factory=list, description=(
+        "Browser origins allowed to call the HTTP API (e.g. ['https://app.example.com'], or ['*']); empty: "
+        "no CORS headers at all (off)."))
+    allow_methods: list[str] = Field(default_factory=lambda: ["GET", "POST"], description="Methods allowed.")
+    allow_headers: list[str] = Field(default_factory=lambda: ["Authorization", "Content-Type"], description=(
+        "Request headers allowed (Authorization carries the API key)."))
+    allow_credentials: bool = Field(False, description="Whether a browser may send cookies or HTTP auth along.")
+
+
+class LifecycleConfig(StrictModel):
+    health_check_period_s: float = Field(10.0, gt=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "How often Serve checks a replica's health (its drafter and target actors answer; a dead one is replaced)."))
+    health_check_timeout_s: float = Field(30.0, gt=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "A health check that takes longer fails; after a few failures Serve restarts the replica."))
+    graceful_shutdown_timeout_s: float | None = Field(None, ge=0.0, le=86400.0, allow_inf_nan=False, description=(
+        "How long a replica being removed (scale-down, redeploy) keeps serving its running requests before "
+        "Serve stops it. None: limits.request_timeout_s plus 10 s (600 s when there is no request timeout), "
+        "so running requests finish instead of being cut after Serve's default 20 s."))
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0.0, le=60.0, allow_inf_nan=False, description=(
+        "How often a replica being removed checks whether its requests have finished."))
+
+
 class AutoscalingConfig(StrictModel):
     min_replicas: int = Field(1, ge=0, description="Fewest coordinator replicas (each one a whole pipeline).")
     max_replicas: int = Field(1, ge=1, description="Most coordinator replicas (each one a whole pipeline).")
@@ -169,6 +192,10 @@ class AppConfig(StrictModel):
     drafter_resources: ActorResources = Field(default_factory=ActorResources,
                                               description="Bundle of the drafter actor.")
     target_resources: ActorResources = Field(default_factory=ActorResources, description="Bundle of the target actor.")
+    cors: CorsConfig = Field(default_factory=CorsConfig, description=(
+        "Cross-origin requests from browsers (FastAPI's CORSMiddleware); off unless origins are listed."))
+    lifecycle: LifecycleConfig = Field(default_factory=LifecycleConfig, description=(
+        "Serve's health checks of a replica and how long a replica being removed drains its requests."))
     autoscaling: AutoscalingConfig = Field(default_factory=AutoscalingConfig, description=(
         "Serve autoscaling of the coordinator on ongoing requests."))
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description=(
@@ -186,6 +213,23 @@ class AppConfig(StrictModel):
             raise ValueError(f"limits.max_running_requests ({self.limits.max_running_requests}) must not "
                              f"exceed pipeline.max_sessions ({self.pipeline.max_sessions})")
         return self
+
+    @model_validator(mode="after")
+    def _drain_running_requests(self) -> "AppConfig":
+        drain, timeout = self.lifecycle.graceful_shutdown_timeout_s, self.limits.request_timeout_s
+        if drain is not None and timeout is not None and drain < timeout:
+            raise ValueError(f"lifecycle.graceful_shutdown_timeout_s ({drain}) must be at least "
+                             f"limits.request_timeout_s ({timeout}): a replica being removed would cut running "
+                             "requests")
+        return self
+
+    @property
+    def graceful_shutdown_timeout_s(self) -> float:
+        """The drain time in force (``lifecycle.graceful_shutdown_timeout_s`` or its default)."""
+        if self.lifecycle.graceful_shutdown_timeout_s is not None:
+            return self.lifecycle.graceful_shutdown_timeout_s
+        timeout = self.limits.request_timeout_s
+        return 600.0 if timeout is None else timeout + 10.0
 
     @model_validator(mode="after")
     def _gpu_devices(self) -> "AppConfig":

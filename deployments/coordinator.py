@@ -99,7 +99,11 @@ def validation_to_invalid(error: ValidationError, renames: dict[str, str] | None
 
 
 def serve_request_id() -> str | None:
-    """Serve's id of the request being handled (it tags Serve's logs too); None outside a replica."""
+    """Serve's id of the request being handled (it tags Serve's logs too); None outside a replica.
+
+    Private API: Ray Serve 2.60 has no public accessor for the current request's id (its public
+    ``serve.get_replica_context()`` describes the replica, ``serve.get_multiplexed_model_id()`` reads one field
+    of this same private context). Pinned with ray in pyproject; if it moves, requests get our own ids."""
     try:
         from ray.serve.context import _get_serve_request_context
 
@@ -128,7 +132,7 @@ class Coordinator:
         self.outcomes = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "timed_out": 0}
         limits = config.limits
         self.admission = Admission(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s,
-                                   limits.kv_cache_bytes)
+                                   limits.kv_cache_bytes, on_change=lambda: self._publish_load())
         self.kv_bytes_per_token = {"target": target_info.kv_bytes_per_token,
                                    "drafter": drafter_info.kv_bytes_per_token}
         self.batches = StepBatches(config.pipeline.batch_wait_s)  # the requests' steps, batched per worker
@@ -157,7 +161,7 @@ class Coordinator:
         drafter_prompt_ids = self._prompt_ids(request, self.drafter_model) if algorithm.needs_drafter else None
         pipelined = self.config.pipeline.pipelined if request.pipelined is None else request.pipelined
         timeout_s = limits.request_timeout_s
-        return Prepared(request_id or uuid.uuid4().hex, algorithm, speculation, request.params,
+        return Prepared(request_id or uuid.uuid4().hex, algorithm, speculation, request.params.seeded(),
                         target_prompt_ids, drafter_prompt_ids, pipelined,
                         None if timeout_s is None else time.monotonic() + timeout_s)
 
@@ -197,6 +201,7 @@ class Coordinator:
         ``ticket``: the request's admission if the caller took it already (an HTTP stream decides its status
         before the body starts); else it is taken here, and ``Overloaded`` raised when the server is full.
         """
+        arrived = time.perf_counter()
         ticket = ticket or self.admit(protocol, prepared)
         closing: list = []  # the request's session closes, filled in by _run_admitted
         try:
@@ -206,17 +211,20 @@ class Coordinator:
                 self.outcomes["timed_out"] += 1
                 self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": "RequestTimeout"})
                 raise
-            async with aclosing(self._run_admitted(prepared, protocol, closing)) as events:
+            self.metrics.queue_time.observe(time.perf_counter() - arrived, tags={"protocol": protocol})
+            async with aclosing(self._run_admitted(prepared, protocol, closing, arrived)) as events:
                 async for event in events:
                     yield event
         finally:
             ticket.release_after(closing)
 
-    async def _run_admitted(self, prepared: Prepared, protocol: str, closing: list) -> AsyncIterator[StreamEvent]:
+    async def _run_admitted(self, prepared: Prepared, protocol: str, closing: list,
+                            arrived: float) -> AsyncIterator[StreamEvent]:
+        """``arrived``: when the request reached this replica (time.perf_counter), for the latency metrics."""
         request_id, algorithm = prepared.request_id, prepared.algorithm
         workers: list[Worker] = []  # the actors holding this request's sessions
-        started = time.perf_counter()
-        first_text, finished = True, False
+        first_text_at: float | None = None
+        finished = False
         self._track(+1)
         log.info("request start request_id=%s protocol=%s algorithm=%s prompt_tokens=%d max_new_tokens=%d "
                  "pipelined=%s", request_id, protocol, algorithm.name, len(prepared.target_prompt_ids),
@@ -238,14 +246,13 @@ class Coordinator:
                               on_step=lambda step: self._record_step(algorithm.name, step),
                               on_drafter_lost=lambda: self._drafter_lost(request_id))
             async for event in _until(prepared.deadline, loop.run()):
-                if first_text and event.text:
-                    first_text = False
-                    self.metrics.time_to_first_token.observe(time.perf_counter() - started,
-                                                             tags={"protocol": protocol})
+                if first_text_at is None and event.text:
+                    first_text_at = time.perf_counter()
+                    self.metrics.time_to_first_token.observe(first_text_at - arrived, tags={"protocol": protocol})
                 if event.finish_reason:
                     finished = True
                     self.outcomes["finished"] += 1
-                    self._record_finish(protocol, event)
+                    self._record_finish(protocol, event, arrived, first_text_at)
                     log.info("request done request_id=%s finish_reason=%s %s", request_id, event.finish_reason,
                              " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                                       for key, value in event.stats.to_dict().items()))
@@ -317,10 +324,16 @@ class Coordinator:
     async def check_health(self) -> None:
         await asyncio.gather(self.target.call("ping"), self.drafter.call("ping"))
 
+    def _publish_load(self) -> None:
+        """Running and waiting requests, and the KV memory they are admitted with, of this replica."""
+        tags = {"replica": self.replica}
+        self.metrics.running_requests.set(self.admission.running, tags=tags)
+        self.metrics.waiting_requests.set(self.admission.waiting, tags=tags)
+        self.metrics.admitted_kv_bytes.set(self.admission.kv_bytes, tags=tags)
+
     def _track(self, delta: int) -> None:
         self.ongoing += delta
         self.metrics.ongoing_requests.set(self.ongoing, tags={"replica": self.replica})
-        self.metrics.admitted_kv_bytes.set(self.admission.kv_bytes, tags={"replica": self.replica})
 
     def _record_step(self, algorithm: str, step: Step) -> None:
         tags = {"algorithm": algorithm}
@@ -337,9 +350,14 @@ class Coordinator:
         if step.speculation:
             self.metrics.pipeline.inc(tags={"outcome": step.speculation})
 
-    def _record_finish(self, protocol: str, event: StreamEvent) -> None:
+    def _record_finish(self, protocol: str, event: StreamEvent, arrived: float, first_text_at: float | None) -> None:
         stats = event.stats
         tags = {"algorithm": stats.algorithm}
+        now = time.perf_counter()
+        self.metrics.request_latency.observe(now - arrived, tags={"protocol": protocol})
+        if first_text_at is not None and stats.generated_tokens > 1:  # vLLM's TPOT: after the first token
+            self.metrics.time_per_output_token.observe((now - first_text_at) / (stats.generated_tokens - 1),
+                                                       tags={"protocol": protocol})
         self.metrics.requests.inc(tags={"protocol": protocol, "algorithm": stats.algorithm,
                                         "finish_reason": event.finish_reason})
         if stats.generated_tokens:

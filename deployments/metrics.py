@@ -11,6 +11,7 @@ from functools import lru_cache
 from ray.util.metrics import Counter, Gauge, Histogram
 
 SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0]
 TOKEN_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 8.5, 12.5, 16.5, 32.5, 64.5]
 
 
@@ -32,8 +33,22 @@ class CoordinatorMetrics:
                                       tag_keys=("algorithm",))
         self.step_seconds = Histogram("hetspec_step_seconds", "Time per decoding step in each stage.",
                                       boundaries=SECONDS_BUCKETS, tag_keys=("stage",))
-        self.time_to_first_token = Histogram("hetspec_time_to_first_token_seconds", "Request start to first text.",
-                                             boundaries=SECONDS_BUCKETS, tag_keys=("protocol",))
+        self.time_to_first_token = Histogram(
+            "hetspec_time_to_first_token_seconds", "From the request's arrival at a replica to its first text "
+            "(time in line included).", boundaries=LATENCY_BUCKETS, tag_keys=("protocol",))
+        self.time_per_output_token = Histogram(
+            "hetspec_time_per_output_token_seconds", "Per finished request: seconds per output token after the "
+            "first (inter-token latency).", boundaries=SECONDS_BUCKETS, tag_keys=("protocol",))
+        self.request_latency = Histogram("hetspec_request_latency_seconds",
+                                         "End-to-end latency of a finished request, from its arrival at a replica.",
+                                         boundaries=LATENCY_BUCKETS, tag_keys=("protocol",))
+        self.queue_time = Histogram("hetspec_queue_time_seconds",
+                                    "Time a request waited in a replica's line before it ran.",
+                                    boundaries=LATENCY_BUCKETS, tag_keys=("protocol",))
+        self.running_requests = Gauge("hetspec_running_requests", "Requests decoding in a replica.",
+                                      tag_keys=("replica",))
+        self.waiting_requests = Gauge("hetspec_waiting_requests", "Requests waiting in a replica's line.",
+                                      tag_keys=("replica",))
         self.pipeline = Counter("hetspec_pipeline_speculations_total",
                                 "Speculative drafts, by outcome (hit: used, miss: dropped).", tag_keys=("outcome",))
         self.drafter_lost = Counter("hetspec_drafter_lost_total",

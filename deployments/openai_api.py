@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -19,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from deployments.admission import Ticket
 from deployments.auth import OPEN_HTTP_PATHS, Unauthenticated, bearer_token
+from deployments.config import CorsConfig
 from deployments.coordinator import (Coordinator, InvalidRequest, Overloaded, Prepared, RequestTimeout,
                                      serve_request_id, validation_to_invalid)
 from deployments.openai_protocol import (FIELD_NAMES, ChatCompletion, ChatCompletionRequest, Completion,
@@ -174,11 +176,15 @@ async def _stream(coordinator: Coordinator, prepared: Prepared, writer: Response
     yield sse("[DONE]")
 
 
-def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordinator) -> FastAPI:
+def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordinator,
+                     cors: CorsConfig | None = None) -> FastAPI:
     app = FastAPI(title="hetspec", description="Lossless heterogeneous speculative decoding, OpenAI-compatible.")
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_middleware(RequireApiKey, get_coordinator=get_coordinator)
+    if cors is not None and cors.allow_origins:  # added last, so it runs first: a preflight needs no API key
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allow_origins, allow_methods=cors.allow_methods,
+                           allow_headers=cors.allow_headers, allow_credentials=cors.allow_credentials)
 
     @app.post("/v1/completions", responses=generation_responses(Completion))
     async def completions(body: CompletionRequest, coordinator: Coordinator = Depends(get_coordinator)):
@@ -188,10 +194,19 @@ def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordi
     async def chat_completions(body: ChatCompletionRequest, coordinator: Coordinator = Depends(get_coordinator)):
         return await _respond(coordinator, body, chat=True)
 
+    def model_card(coordinator: Coordinator) -> dict:
+        return {"id": coordinator.config.model_id, "object": "model", "created": 0, "owned_by": "hetspec"}
+
     @app.get("/v1/models")
     async def models(coordinator: Coordinator = Depends(get_coordinator)):
-        model_id = coordinator.config.model_id
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "hetspec"}]}
+        return {"object": "list", "data": [model_card(coordinator)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, coordinator: Coordinator = Depends(get_coordinator)):
+        if model_id != coordinator.config.model_id:  # what OpenAI answers for a model it does not have
+            return JSONResponse(error_body(f"The model '{model_id}' does not exist", "model",
+                                           "invalid_request_error", "model_not_found"), status_code=404)
+        return model_card(coordinator)
 
     @app.get("/health")
     async def health(coordinator: Coordinator = Depends(get_coordinator)):

@@ -100,7 +100,7 @@ class _OpenAIRequest(StrictModel):
         params = {"max_new_tokens": max_tokens or default_max_tokens,
                   "temperature": 1.0 if self.temperature is None else self.temperature,
                   "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": self.top_k or 0,
-                  "seed": self.seed or 0, "stop": self._stop_list(), "ignore_eos": options.ignore_eos}
+                  "seed": self.seed, "stop": self._stop_list(), "ignore_eos": options.ignore_eos}
         return GenerationRequest.model_validate({
             **prompt, "params": params, "algorithm": options.algorithm, "draft_tokens": options.draft_tokens,
             "pipelined": options.pipelined})

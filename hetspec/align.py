@@ -3,7 +3,7 @@
 Tokenizers are not injective and not compositional: ``encode(a + b) != encode(a) + encode(b)`` when
 a token would merge across the boundary, and leading-space rules differ. So new text is never encoded
 alone: it is encoded together with a window of the last few tokens already committed, and only what
-comes after that window is used. The context is never re-tokenized whole (DESIGN.md, SLEM).
+comes after that window is used. The context is never re-tokenized whole (docs/design.md, SLEM).
 
 Alignment decides only which candidates are proposed, never which are accepted, so a poor alignment
 costs speed, not losslessness.

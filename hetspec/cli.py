@@ -23,7 +23,8 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, help="seed of the sample (default: a fresh random one, printed in the "
+                        "statistics)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--draft-tokens", type=int, default=5)
     parser.add_argument("--adaptive", action="store_true", help="adapt the draft length to acceptance")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import secrets
 from pathlib import Path
 from typing import Literal
 
@@ -44,7 +45,9 @@ class SamplingParams(StrictModel):
                                description="0 means greedy (exact argmax); above 0 samples from softmax(logits/T).")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens before sampling; 0 keeps all.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of mass >= top_p.")
-    seed: int = Field(0, ge=0, lt=2**63, description="Seed of the per-position random stream.")
+    seed: int | None = Field(None, ge=0, lt=2**63, description=(
+        "Seed of the per-position random stream (hetspec/sampling.py): the same seed gives the same sample. "
+        "None: the request draws a fresh random seed, reported in its statistics (Stats.seed)."))
     stop: list[str] = Field(default_factory=list, max_length=16,
                             description="Generation ends right before the first of these strings to complete "
                                         "(docs/stop-strings.md).")
@@ -56,6 +59,10 @@ class SamplingParams(StrictModel):
         if not math.isfinite(value):
             raise ValueError("must be a finite number")
         return value
+
+    def seeded(self) -> "SamplingParams":
+        """These parameters with a concrete seed: a fresh random one (from the OS) when none was given."""
+        return self if self.seed is not None else self.model_copy(update={"seed": secrets.randbelow(2**63)})
 
     @field_validator("stop")
     @classmethod

@@ -88,10 +88,13 @@ class Progress:
 
     def __init__(self, target: LanguageModel, params: SamplingParams, speculation: SpeculationConfig,
                  stats: Stats):
+        if params.seed is None:
+            raise ValueError("a request's params need a seed: SamplingParams.seeded() draws one")
         self.params = params
         self.speculation = speculation
         self.output = OutputText(target, params)
         self.stats = stats
+        stats.seed = params.seed
         self.policy = DraftLength(speculation)
         self.drafts = 0  # the next draft's round (hetspec.sampling: the drafter's numbers are never reused)
         self.started = time.perf_counter()

@@ -42,7 +42,7 @@ class Engine:
                 request_id: str = "") -> Request:
         """A validated request, ready to join a ``BatchDecoder`` (no KV memory is taken before its first pass)."""
         # a plain dict is accepted too, validated here: a ValidationError names the field
-        params = SamplingParams() if params is None else SamplingParams.model_validate(params)
+        params = (SamplingParams() if params is None else SamplingParams.model_validate(params)).seeded()
         speculation = self.speculation if speculation is None else SpeculationConfig.model_validate(speculation)
         target_ids = self.prompt_ids(prompt, messages, self.target)
         drafter_ids = None  # the drafter's own tokenization, only for algorithms that draft

@@ -30,6 +30,7 @@ class Stats:
     total_seconds: float = 0.0
     batch_rows: int = 0  # summed over its target passes: how many requests each pass verified
     chosen_draft_tokens: int = 0  # summed over its steps: the draft length each step gave it
+    seed: int | None = None  # the request's seed (drawn at random when it gave none): it reproduces the sample
 
     @property
     def mean_batch_size(self) -> float:

@@ -17,3 +17,19 @@ def gemma():
 def smollm():
     from hetspec import load_model
     return load_model("smollm2-135m", dtype="float32")
+
+
+# Markers from what a test uses, so none is forgotten: `real` for the real offline models (docs/models.md),
+# `serve` for a private Ray instance with the Serve app. `-m "not real and not serve"` is the fast loop.
+REAL_MODEL_FIXTURES = {"gemma", "smollm"}
+RAY_FIXTURES = {"served_app", "limited_app", "running"}  # tests/serve_fixtures.py, test_limits_serve, test_multinode
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & REAL_MODEL_FIXTURES:
+            item.add_marker(pytest.mark.real)
+        if used & RAY_FIXTURES:
+            item.add_marker(pytest.mark.serve)
+            item.add_marker(pytest.mark.real)  # every served app loads the real small pair

@@ -52,6 +52,7 @@ class ServedApp:
     grpc_target: str  # e.g. 127.0.0.1:PORT
     args: dict
     model_id: str
+    metrics_urls: tuple[str, ...] = ()  # each node's Prometheus endpoint (Ray's metrics export port)
 
 
 @contextmanager
@@ -69,9 +70,11 @@ def serve_app(args: dict):
     # Serve's gRPC proxy imports the stubs outside any runtime_env: the repo must be on every process's path.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved["PYTHONPATH"]]))
     os.environ.pop("HETSPEC_API_KEY", None)  # a key in the developer's shell must not turn on the app's auth
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": NODE_RESOURCES[0]})
-    for resources in NODE_RESOURCES[1:]:
-        cluster.add_node(num_cpus=1, resources=resources)
+    metrics_ports = [free_port() for _ in NODE_RESOURCES]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": NODE_RESOURCES[0],
+                                                            "metrics_export_port": metrics_ports[0]})
+    for resources, metrics_port in zip(NODE_RESOURCES[1:], metrics_ports[1:]):
+        cluster.add_node(num_cpus=1, resources=resources, metrics_export_port=metrics_port)
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         http_port, grpc_port = free_port(), free_port()
@@ -79,7 +82,8 @@ def serve_app(args: dict):
                     grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=grpc_servicer_functions()))
         serve.run(build_app(args), name="hetspec", route_prefix="/", blocking=False)
         wait_until_healthy(f"http://127.0.0.1:{http_port}", timeout_s=300, poll_s=0.5)
-        yield ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", args, args["model_id"])
+        yield ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", args, args["model_id"],
+                        tuple(f"http://127.0.0.1:{port}/metrics" for port in metrics_ports))
     finally:
         try:
             serve.shutdown()

@@ -283,3 +283,18 @@ def test_shared_passes_batch_calls_from_many_threads_and_equal_each_alone():
     own_passes = sum(6 + -(-(len(prompt) - 1) // 8) for prompt in prompts)
     assert shared.passes < own_passes and shared.rows > shared.passes  # passes were shared
     assert model.kv_pool.taken == set() and model.kv_pool.reserved_bytes == 0  # every row back, memory freed
+
+
+def test_unseeded_sampling_draws_a_fresh_seed_that_reproduces_the_sample():
+    """No seed: every request draws its own (reported in its statistics); that seed gives the same sample again."""
+    engine = Engine(language_model("target", target_tokenizer(), seed=0))
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
+    results = [engine.generate("ab c", params) for _ in range(20)]
+    seeds = [result.stats.seed for result in results]
+    assert len(set(seeds)) == len(seeds) and all(0 <= seed < 2**63 for seed in seeds)
+    assert len({tuple(result.token_ids) for result in results}) > 1
+    for result in results[:3]:
+        again = engine.generate("ab c", params.model_copy(update={"seed": result.stats.seed}))
+        assert again.token_ids == result.token_ids and again.stats.seed == result.stats.seed
+    batched = engine.generate_batch(["ab c"] * 2, params)
+    assert batched[0].stats.seed != batched[1].stats.seed

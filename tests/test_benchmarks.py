@@ -227,6 +227,7 @@ def test_serve_bench_pairs_each_request_with_the_library_and_reports_overhead():
     assert not overhead(timings, library_timings)["identical_tokens"]
 
 
+@pytest.mark.real
 def test_serve_bench_in_process_runs_the_configs_pair_like_the_library():
     from pathlib import Path
 
@@ -242,6 +243,7 @@ def test_serve_bench_in_process_runs_the_configs_pair_like_the_library():
     assert timing.token_ids == reference.token_ids
 
 
+@pytest.mark.real
 def test_batch_bench_end_to_end_on_the_small_pair(tmp_path):
     """Every method at batch sizes 1 and 2, 6 greedy float32 tokens: table, plot, and batched == batch 1."""
     from benchmarks import batch_bench

@@ -63,7 +63,7 @@ def validate_or_name_the_field(model: type[BaseModel], body: dict) -> BaseModel 
 
 def _assert_finite(params: SamplingParams) -> None:
     assert math.isfinite(params.temperature) and math.isfinite(params.top_p)
-    assert 1 <= params.max_new_tokens and 0 <= params.seed < 2**63 and params.top_k >= 0
+    assert 1 <= params.max_new_tokens and (params.seed is None or 0 <= params.seed < 2**63) and params.top_k >= 0
     assert all(stop and stop.encode("utf-8") for stop in params.stop)  # valid Unicode (no lone surrogate)
 
 

@@ -232,3 +232,24 @@ def test_http_middleware_protects_every_route_but_health():
         assert missing.json()["error"]["code"] == "invalid_api_key"
         assert client.get(path, headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
         assert client.get(path, headers={"Authorization": "Bearer sk-right"}).status_code == 200
+
+
+def test_cors_is_off_by_default_and_answers_the_configured_origins():
+    from deployments.config import CorsConfig
+    from deployments.openai_api import build_openai_app
+
+    class Keyed:  # what the middleware and the model routes ask of the coordinator
+        api_keys = ApiKeys(["sk-right"])
+        config = AppConfig.model_validate(SMALL_PAIR)
+
+    preflight = {"Origin": "https://app.example.com", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    closed = TestClient(build_openai_app(lambda: Keyed()))
+    assert "access-control-allow-origin" not in closed.options("/v1/completions", headers=preflight).headers
+    opened = TestClient(build_openai_app(lambda: Keyed(), cors=CorsConfig(allow_origins=["https://app.example.com"])))
+    answer = opened.options("/v1/completions", headers=preflight)  # a preflight carries no API key
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "https://app.example.com"
+    models = opened.get("/v1/models", headers={"Origin": "https://app.example.com", "Authorization": "Bearer sk-right"})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "https://app.example.com"
+    other = opened.options("/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -19,6 +20,8 @@ from hetspec import Engine, SamplingParams, SpeculationConfig
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
 from serve_fixtures import NEW_TOKENS, served_app  # noqa: F401 -- the module's fixture
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
@@ -121,6 +124,22 @@ def test_grpc_sampling_tli_matches_library(grpc_stub, engine, pipelined):
     assert len(response.token_ids) == len(expected.token_ids)
     if not pipelined:  # pipelined drafts differ, so the sample is another one of the same distribution
         assert list(response.token_ids) == expected.token_ids
+
+
+def test_unseeded_sampling_is_random_and_the_reported_seed_reproduces_it(grpc_stub, openai_client, served_app):  # noqa: F811
+    def http(seed=None):
+        completion = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], max_tokens=6,
+                                                      temperature=1.0, seed=seed)
+        return completion.model_extra["hetspec"]["token_ids"], completion.model_extra["hetspec"]["stats"]["seed"]
+
+    (first_ids, first_seed), (_, second_seed) = http(), http()
+    assert first_seed != second_seed
+    assert http(first_seed) == (first_ids, first_seed)
+    request = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=6, temperature=1.0)
+    unseeded = grpc_stub.Generate(request, timeout=300)
+    assert unseeded.stats.seed not in (0, first_seed)
+    request.seed = unseeded.stats.seed
+    assert list(grpc_stub.Generate(request, timeout=300).token_ids) == list(unseeded.token_ids)
 
 
 def test_http_completion_openai_client(openai_client, served_app, reference):  # noqa: F811
@@ -279,9 +298,58 @@ def test_placement_strict_spread_puts_each_on_its_own_node(served_app):  # noqa:
     assert len(set(nodes.values())) == 3, nodes  # coordinator, drafter and target: three different nodes
 
 
-def test_models_and_health_routes(served_app):  # noqa: F811
+def test_client_sends_the_application_metadata(served_app):  # noqa: F811
+    import subprocess
+    import sys
+
+    def client(application: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "deployments.client", "grpc", "--target", served_app.grpc_target,
+                               "--prompt", PROMPTS[1], "--max-new-tokens", "3", "--application", application],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+
+    assert client("hetspec").returncode == 0
+    unknown = client("no-such-app")
+    assert unknown.returncode != 0 and "no-such-app" in unknown.stdout + unknown.stderr
+
+
+def test_latency_and_load_metrics_reach_rays_prometheus_endpoint(openai_client, served_app):  # noqa: F811
+    """What a user scrapes: each node's metrics export port (the replica runs on one of the three)."""
+    import re
+
+    openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], max_tokens=4, temperature=0)
+    wanted = ["ray_hetspec_time_to_first_token_seconds_count", "ray_hetspec_time_per_output_token_seconds_count",
+              "ray_hetspec_request_latency_seconds_count", "ray_hetspec_queue_time_seconds_count",
+              "ray_hetspec_running_requests", "ray_hetspec_waiting_requests", "ray_hetspec_kv_reserved_bytes",
+              "ray_hetspec_forward_passes_total"]
+
+    def scraped() -> dict[str, float]:
+        values: dict[str, float] = {}
+        for url in served_app.metrics_urls:
+            for line in httpx.get(url, timeout=30).text.splitlines():
+                found = re.match(r"^(ray_hetspec_\w+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+                if found:
+                    values[found[1]] = values.get(found[1], 0.0) + float(found[2])
+        return values
+
+    deadline = time.monotonic() + 90  # Ray's agents export every few seconds
+    while not set(wanted) <= set(values := scraped()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert set(wanted) <= set(values), sorted(set(wanted) - set(values))
+    assert values["ray_hetspec_time_to_first_token_seconds_count"] >= 1
+    assert values["ray_hetspec_time_per_output_token_seconds_sum"] > 0
+    assert values["ray_hetspec_request_latency_seconds_sum"] > 0 and values["ray_hetspec_queue_time_seconds_sum"] >= 0
+    assert values["ray_hetspec_forward_passes_total"] >= 1
+
+
+def test_models_and_health_routes(served_app, openai_client):  # noqa: F811
+    import openai
+
     models = httpx.get(f"{served_app.http_url}/v1/models", timeout=30).json()
     assert [model["id"] for model in models["data"]] == [served_app.model_id]
+    assert openai_client.models.retrieve(served_app.model_id).id == served_app.model_id
+    with pytest.raises(openai.NotFoundError) as raised:
+        openai_client.models.retrieve("gpt-4")
+    assert raised.value.body["code"] == "model_not_found" and "gpt-4" in raised.value.body["message"]
     assert httpx.get(f"{served_app.http_url}/health", timeout=30).json() == {"status": "ok"}
 
 

@@ -90,6 +90,18 @@ def test_deployment_reserves_a_bundle_each_for_replica_drafter_and_target():
     assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}
 
 
+def test_a_replica_being_removed_drains_its_running_requests():
+    config = AppConfig.model_validate({**SMALL_PAIR, "limits": {"request_timeout_s": 300},
+                                       "lifecycle": {"health_check_period_s": 5}})
+    options = deployment_options(config)
+    assert options["graceful_shutdown_timeout_s"] == 310 and options["health_check_period_s"] == 5
+    assert deployment_options(AppConfig.model_validate({**SMALL_PAIR, "limits": {"request_timeout_s": None}}))[
+        "graceful_shutdown_timeout_s"] == 600
+    with pytest.raises(ValidationError, match="graceful_shutdown_timeout_s"):
+        AppConfig.model_validate({**SMALL_PAIR, "limits": {"request_timeout_s": 300},
+                                  "lifecycle": {"graceful_shutdown_timeout_s": 20}})
+
+
 def test_committed_grpc_stubs_are_current():
     assert stale_stubs() == [], "run: python -m protos.generate"
 

@@ -83,7 +83,8 @@ def slrs_psi(engine: Engine, committed: bytes, lookahead: int, params: SamplingP
                                                                             slrs_lookahead=lookahead))
     side = DrafterSide(engine.drafter, engine.drafter.encode_prompt(PROMPT), window=8)
     try:
-        draft = run_alone(engine.drafter, algorithm.draft(side, committed, 1, params, first_position=0, draft_round=0))
+        draft = run_alone(engine.drafter, algorithm.draft(side, committed, 1, params.seeded(), first_position=0,
+                                                          draft_round=0))
     finally:
         side.release()
     return draft.draft_probs[0]

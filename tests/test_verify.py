@@ -1,6 +1,6 @@
 """The acceptance rules (hetspec.verify) and the sampling primitives under them (hetspec.sampling).
 
-Four kinds of test, per STYLE.md habit 6: hand-built exact cases, seeded determinism, distributions
+Four kinds of test: hand-built exact cases, seeded determinism, distributions
 (chi-square with fixed seeds, so never flaky), and a slow reference implementation of speculative
 sampling in plain Python floats checked against the fast path on random inputs.
 """

@@ -163,7 +163,7 @@ def test_real_vocabularies(gemma, smollm):
     assert gemma_table[gemma.tokenizer.bos_token_id] is None
     mapping = vocab.intersection_map(smollm_table, gemma_table, smollm.vocab_size)
     shared = int((mapping >= 0).sum())
-    assert 40000 < shared < smollm.vocab_size  # MODELS.md: 46,138 tokens by bytes
+    assert 40000 < shared < smollm.vocab_size  # docs/models.md: 46,138 tokens by bytes
     non_ascii = [index for index, piece in enumerate(smollm_table) if piece and max(piece) >= 0x80 and mapping[index] >= 0]
     assert len(non_ascii) > 100  # bytes, not spelling: non-ASCII tokens match too
     for index in non_ascii[:50]:

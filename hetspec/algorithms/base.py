@@ -1,7 +1,7 @@
 """What every algorithm shares: the drafter side, the vocabulary maps of a pair, and the Draft it hands over.
 
 An algorithm is split into steps on plain data so the in-process engine and the Ray workers run the
-same code (DESIGN.md, "One algorithm, two runtimes"):
+same code (docs/design.md, "One algorithm, two runtimes"):
 - ``draft``  (drafter side): sync the drafter to the committed text, then propose (fresh drafter noise per draft);
   a generator of drafter passes, so a batch of requests drafts with one pass per position;
 - ``align``  (string level): turn the proposal into target token ids (SLEM only re-tokenizes);
