@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.prompts import load_prompts
+from benchmarks import report
 from benchmarks.report import provenance
 from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
 from hetspec.config import BatchingConfig
@@ -169,23 +170,12 @@ def markdown(result: dict, algorithm: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sizes = [row["batch_size"] for row in result["rows"]]
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for name in result["rows"][0]["methods"]:
-        axes.plot(sizes, [row["methods"][name]["tokens_per_second"] for row in result["rows"]], marker="o", label=name)
-    axes.set_xlabel("batch size (requests decoded together)")
-    axes.set_ylabel("tokens per second")
-    axes.set_xticks(sizes)
-    axes.set_title(f"{result['settings']['target']} <- {result['settings']['drafter']}, greedy, "
-                   f"{result['settings']['max_new_tokens']} new tokens")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    series = {name: [(row["batch_size"], row["methods"][name]["tokens_per_second"]) for row in result["rows"]]
+              for name in result["rows"][0]["methods"]}
+    report.line_plot(series, sizes, "batch size (requests decoded together)", "tokens per second",
+                     f"{result['settings']['target']} <- {result['settings']['drafter']}, greedy, "
+                     f"{result['settings']['max_new_tokens']} new tokens", path)
 
 
 def main(argv: list[str] | None = None) -> int:

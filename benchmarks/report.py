@@ -121,3 +121,24 @@ def markdown(result: dict) -> str:
     if diverged:
         out += ["## Outputs that differ from ar", "", *diverged, ""]
     return "\n".join(out)
+
+
+def line_plot(series: dict[str, list[tuple[float, float]]], xticks: list, xlabel: str, ylabel: str, title: str,
+              path: Path) -> None:
+    """One line per name through its (x, y) points, saved as a PNG (the throughput plots of batch_bench and
+    serve_scaling)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name, points in series.items():
+        axes.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_xticks(xticks)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)

@@ -187,22 +187,11 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for name, levels in result["methods"].items():
-        points = sorted(levels.items())
-        axes.plot([c for c, _ in points], [row["tokens_per_second"] for _, row in points], marker="o", label=name)
-    axes.set_xlabel("concurrent clients")
-    axes.set_ylabel("output tokens per second (all clients)")
-    axes.set_xticks(result["settings"]["concurrency"])
-    axes.set_title(f"{result['settings']['pair']}, greedy, {result['settings']['max_new_tokens']} new tokens")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    series = {name: [(c, row["tokens_per_second"]) for c, row in sorted(levels.items())]
+              for name, levels in result["methods"].items()}
+    report.line_plot(series, result["settings"]["concurrency"], "concurrent clients",
+                     "output tokens per second (all clients)",
+                     f"{result['settings']['pair']}, greedy, {result['settings']['max_new_tokens']} new tokens", path)
 
 
 def main(argv: list[str] | None = None) -> int:
