@@ -18,6 +18,7 @@ everything runs on the replica's event loop.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from typing import Awaitable, Callable, Iterable
@@ -36,6 +37,11 @@ class Overloaded(RuntimeError):
 
     def __reduce__(self):  # it crosses process boundaries (replica -> gRPC proxy) pickled
         return Overloaded, (str(self), self.retry_after_s)
+
+    @property
+    def retry_after_header(self) -> str:
+        """Retry-After's value: whole seconds (RFC 9110 delay-seconds), rounded up."""
+        return str(math.ceil(self.retry_after_s))
 
 
 class RequestTimeout(TimeoutError):

@@ -6,7 +6,6 @@ KubeRay manifest that embeds it fails at deploy time with the field's name, not 
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Literal, Mapping
 
@@ -125,11 +124,6 @@ class LimitsConfig(StrictModel):
             raise ValueError(f"default_max_new_tokens ({self.default_max_new_tokens}) must not exceed "
                              f"max_new_tokens ({self.max_new_tokens})")
         return self
-
-    @property
-    def retry_after_header(self) -> str:
-        """Retry-After's value: whole seconds (RFC 9110 delay-seconds), rounded up."""
-        return str(math.ceil(self.retry_after_s))
 
 
 # API keys go in HTTP headers and gRPC metadata: printable ASCII, no spaces, no commas (the env var's separator).

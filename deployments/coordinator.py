@@ -145,6 +145,11 @@ class Coordinator:
         limits = self.config.limits
         if request.params.max_new_tokens > limits.max_new_tokens:
             raise InvalidRequest("max_new_tokens", f"must be at most {limits.max_new_tokens} on this server")
+        vocab_size = self.target_model.vocab_size
+        for token_id in request.params.stop_token_ids:
+            if token_id >= vocab_size:
+                raise InvalidRequest("stop_token_ids", f"{token_id} is not a token id of the target "
+                                                       f"(its vocabulary has {vocab_size})")
         try:
             speculation = request_speculation(self.config.speculation, request.algorithm, request.draft_tokens)
         except ValidationError as error:
@@ -153,7 +158,7 @@ class Coordinator:
             algorithm = make_algorithm(speculation.algorithm, self.maps, speculation, request.params)
         except (ValueError, NotImplementedError) as error:
             raise InvalidRequest("algorithm", str(error)) from None
-        target_prompt_ids = self._prompt_ids(request, self.target_model)
+        target_prompt_ids = self.target_prompt_ids(request)
         if len(target_prompt_ids) > limits.max_prompt_tokens:
             raise InvalidRequest("messages" if request.messages else "prompt",
                                  f"is {len(target_prompt_ids)} tokens, above this server's limit of "
@@ -182,6 +187,10 @@ class Coordinator:
             self.outcomes["rejected"] += 1
             self.metrics.request_errors.inc(tags={"protocol": protocol, "kind": "Overloaded"})
             raise
+
+    def target_prompt_ids(self, request: GenerationRequest) -> list[int]:
+        """The target ids the request's prompt or messages are fed as (``InvalidRequest`` if they cannot be)."""
+        return self._prompt_ids(request, self.target_model)
 
     def _prompt_ids(self, request: GenerationRequest, model: LanguageModel) -> list[int]:
         if (request.prompt is None) == (request.messages is None):

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import grpc
 from pydantic import ValidationError
 
-from hetspec.output import StreamEvent
+from hetspec.output import ResultBuilder, StreamEvent, TokenLogprob
 
 from deployments.auth import Unauthenticated, grpc_api_key
 from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
@@ -37,8 +37,8 @@ def to_generation(request: pb.GenerateRequest | UndecodableRequest, default_max_
     if isinstance(request, UndecodableRequest):
         raise InvalidRequest("request", f"is not a valid hetspec.v1.GenerateRequest: {request.reason}")
     params = {"max_new_tokens": request.max_new_tokens if request.HasField("max_new_tokens")
-              else default_max_new_tokens, "stop": list(request.stop)}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+              else default_max_new_tokens, "stop": list(request.stop), "stop_token_ids": list(request.stop_token_ids)}
+    for name in ("temperature", "top_p", "top_k", "seed", "logprobs"):
         if request.HasField(name):
             params[name] = getattr(request, name)
     try:
@@ -53,6 +53,12 @@ def to_generation(request: pb.GenerateRequest | UndecodableRequest, default_max_
 def _stats(event: StreamEvent) -> pb.SpeculationStats:
     values = event.stats.to_dict()
     return pb.SpeculationStats(**{field.name: values[field.name] for field in pb.SpeculationStats.DESCRIPTOR.fields})
+
+
+def _logprobs(entries: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+                            top=[pb.TopLogprob(token_id=token_id, logprob=logprob) for token_id, logprob in entry.top])
+            for entry in entries or []]
 
 
 def _usage(event: StreamEvent) -> pb.Usage:
@@ -99,16 +105,14 @@ class GrpcMethods:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:  # noqa: N802
         prepared = self._prepare(request, grpc_context)
-        pieces: list[str] = []
-        token_ids: list[int] = []
+        builder = ResultBuilder()
         async with aclosing(self._events(prepared, grpc_context)) as events:
             async for event in events:
-                pieces.append(event.text)
-                token_ids.extend(event.token_ids)
-                if event.finish_reason:
-                    return pb.GenerateResponse(request_id=prepared.request_id, text="".join(pieces),
-                                               token_ids=token_ids, finish_reason=event.finish_reason,
-                                               usage=_usage(event), stats=_stats(event))
+                if (result := builder.add(event)) is not None:
+                    return pb.GenerateResponse(request_id=prepared.request_id, text=result.text,
+                                               token_ids=result.token_ids, finish_reason=result.finish_reason,
+                                               usage=_usage(event), stats=_stats(event),
+                                               logprobs=_logprobs(result.logprobs))
         raise AssertionError("the decode loop ended without a finish reason")
 
     async def GenerateStream(self, request: pb.GenerateRequest,  # noqa: N802
@@ -117,7 +121,7 @@ class GrpcMethods:
         async with aclosing(self._events(prepared, grpc_context)) as events:
             async for event in events:
                 response = pb.GenerateResponse(request_id=prepared.request_id, text=event.text,
-                                               token_ids=event.token_ids)
+                                               token_ids=event.token_ids, logprobs=_logprobs(event.logprobs))
                 if event.finish_reason:
                     response.finish_reason = event.finish_reason
                     response.usage.CopyFrom(_usage(event))

@@ -7,7 +7,9 @@ can serve an in-process coordinator with no Ray at all).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Callable
 
@@ -21,11 +23,14 @@ from starlette.exceptions import HTTPException
 from deployments.admission import Ticket
 from deployments.auth import OPEN_HTTP_PATHS, Unauthenticated, bearer_token
 from deployments.config import CorsConfig
-from deployments.coordinator import (Coordinator, InvalidRequest, Overloaded, Prepared, RequestTimeout,
-                                     serve_request_id, validation_to_invalid)
-from deployments.openai_protocol import (FIELD_NAMES, ChatCompletion, ChatCompletionRequest, Completion,
-                                         CompletionRequest, ResponseWriter, error_body, generation_responses,
-                                         request_error, sse)
+from hetspec.output import GenerationResult, ResultBuilder, StreamEvent
+
+from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
+                                     RequestTimeout, serve_request_id, validation_to_invalid)
+from deployments.openai_protocol import (FIELD_NAMES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                         TokenizeRequest, error_body, request_error)
+from deployments.openai_responses import (ChatCompletion, Completion, Detokenized, ResponseWriter, Tokenized,
+                                          TokenStrings, generation_responses, sse, tokenizer_responses)
 from deployments.pipeline import WorkerLost
 
 log = logging.getLogger("ray.serve")
@@ -45,8 +50,8 @@ def _busy_body(error: Overloaded) -> dict:
     return error_body(str(error), None, "rate_limit_exceeded", "server_busy")
 
 
-def _busy(error: Overloaded, retry_after: str) -> JSONResponse:
-    return JSONResponse(_busy_body(error), status_code=429, headers={"Retry-After": retry_after})
+def _busy(error: Overloaded) -> JSONResponse:
+    return JSONResponse(_busy_body(error), status_code=429, headers={"Retry-After": error.retry_after_header})
 
 
 def _timeout_body(error: RequestTimeout) -> dict:
@@ -111,58 +116,161 @@ async def _on_http_error(request: Request, error: HTTPException) -> JSONResponse
                                    else "server_error"), status_code=error.status_code, headers=error.headers)
 
 
+def _check_model(coordinator: Coordinator, model: str | None) -> None:
+    if model is not None and model != coordinator.config.model_id:
+        raise InvalidRequest("model", f"unknown model {model!r}; this server serves {coordinator.config.model_id!r}")
+
+
 def _prepare(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest,
-             request_id: str | None) -> Prepared:
-    if body.model != coordinator.config.model_id:
-        raise InvalidRequest("model", f"unknown model {body.model!r}; this server serves "
-                                      f"{coordinator.config.model_id!r}")
+             request_id: str | None) -> list[Prepared]:
+    """The request's runs: one per choice, or one greedy run whose output every choice copies."""
+    _check_model(coordinator, body.model)
     try:
         generation = body.to_generation(coordinator.config.limits.default_max_new_tokens)
     except ValidationError as error:
         raise validation_to_invalid(error, FIELD_NAMES) from None
-    return coordinator.prepare(generation, request_id)
+    runs = 1 if generation.params.greedy else body.choices
+    if runs == 1:
+        return [coordinator.prepare(generation, request_id)]
+    base = request_id or uuid.uuid4().hex
+    return [coordinator.prepare(_choice(generation, index), f"{base}-{index}") for index in range(runs)]
+
+
+def _choice(generation: GenerationRequest, index: int) -> GenerationRequest:
+    """Choice ``index`` of a sampled request: seed s gives it s + index; no seed, a fresh one of its own."""
+    seed = generation.params.seed
+    if seed is None:
+        return generation
+    params = generation.params.model_copy(update={"seed": (seed + index) % 2**63})
+    return generation.model_copy(update={"params": params})
+
+
+def _admit_all(coordinator: Coordinator, runs: list[Prepared]) -> list[Ticket]:
+    """Every run admitted (or in line), or ``Overloaded`` with none: a request gets all its choices or none."""
+    tickets: list[Ticket] = []
+    try:
+        for prepared in runs:
+            tickets.append(coordinator.admit("http", prepared))
+    except Overloaded:
+        for ticket in tickets:
+            ticket.release()
+        raise
+    return tickets
+
+
+def _failure(error: Exception) -> JSONResponse:
+    """A generation's server-side failure before any of its body was sent."""
+    if isinstance(error, Overloaded):
+        return _busy(error)
+    if isinstance(error, RequestTimeout):
+        return JSONResponse(_timeout_body(error), status_code=408)
+    if isinstance(error, WorkerLost):
+        return JSONResponse(error_body(str(error), None, "server_unavailable", "worker_lost"), status_code=503)
+    raise error
 
 
 async def _respond(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest, chat: bool):
     try:
-        prepared = _prepare(coordinator, body, serve_request_id())
+        runs = _prepare(coordinator, body, serve_request_id())
     except InvalidRequest as error:
         return _invalid(error)
-    writer = ResponseWriter(chat, coordinator.config.model_id, prepared.request_id)
-    retry_after = coordinator.config.limits.retry_after_header
-    if body.stream:
-        try:  # admitted (or told to come back) before the 200 and the first event are sent
-            ticket = coordinator.admit("http", prepared)
-        except Overloaded as error:
-            return _busy(error, retry_after)
-        return _ClosingStreamingResponse(_stream(coordinator, prepared, writer, body.include_usage, ticket),
-                                         ticket, media_type="text/event-stream")
-    pieces: list[str] = []
-    token_ids: list[int] = []
-    try:
-        async with aclosing(coordinator.run(prepared, "http")) as events:
-            async for event in events:
-                pieces.append(event.text)
-                token_ids.extend(event.token_ids)
-                if event.finish_reason:
-                    return writer.whole("".join(pieces), token_ids, event)
+    request_id = runs[0].request_id.removesuffix("-0")
+    echo = body.prompt_text if not chat and body.echo else ""
+    writer = ResponseWriter(chat, coordinator.config.model_id, request_id, body.choices,
+                            TokenStrings(coordinator.maps.target_table, coordinator.target_model.tokenizer), echo)
+    try:  # admitted (or told to come back) before the 200 and the first event are sent
+        tickets = _admit_all(coordinator, runs)
     except Overloaded as error:
-        return _busy(error, retry_after)
-    except RequestTimeout as error:
-        return JSONResponse(_timeout_body(error), status_code=408)
-    except WorkerLost as error:
-        return JSONResponse(error_body(str(error), None, "server_unavailable", "worker_lost"), status_code=503)
-    raise AssertionError("the decode loop ended without a finish reason")
-
-
-async def _stream(coordinator: Coordinator, prepared: Prepared, writer: ResponseWriter,
-                  include_usage: bool, ticket: Ticket) -> AsyncIterator[str]:
+        return _failure(error)
+    if body.stream:
+        return _ClosingStreamingResponse(_stream(coordinator, runs, tickets, writer, body), tickets,
+                                         media_type="text/event-stream")
     try:
-        async with aclosing(coordinator.run(prepared, "http", ticket)) as events:
+        results = await _whole(coordinator, runs, tickets)
+    except (Overloaded, RequestTimeout, WorkerLost) as error:
+        return _failure(error)
+    return writer.whole(results * body.choices if len(results) == 1 else results)
+
+
+async def _whole(coordinator: Coordinator, runs: list[Prepared], tickets: list[Ticket]) -> list[GenerationResult]:
+    """Each run's result; the first failure stops the others (their sessions are freed) and is raised."""
+    started: set[int] = set()
+
+    async def result(index: int) -> GenerationResult:
+        started.add(index)
+        builder = ResultBuilder(runs[index].target_prompt_ids)
+        async with aclosing(coordinator.run(runs[index], "http", tickets[index])) as events:
             async for event in events:
-                yield sse(writer.chunk(event))
-                if event.finish_reason and include_usage:
-                    yield sse(writer.usage_chunk(event))
+                if (whole := builder.add(event)) is not None:
+                    return whole
+        raise AssertionError("the decode loop ended without a finish reason")
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(result(index)) for index in range(len(runs))]
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from None
+    finally:
+        for index, ticket in enumerate(tickets):
+            if index not in started:  # cancelled before it ran: the coordinator never took its ticket
+                ticket.release()
+    return [task.result() for task in tasks]
+
+
+async def _merged(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """(stream index, event) of every stream as they come; the first failure stops the others and is raised."""
+    if len(streams) == 1:  # the common case, without tasks
+        async with aclosing(streams[0]) as events:
+            async for event in events:
+                yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StreamEvent]) -> None:
+        try:
+            async with aclosing(stream) as events:
+                async for event in events:
+                    await queue.put((index, event, None))
+        except Exception as error:  # noqa: BLE001 -- handed to the consumer, which raises it
+            await queue.put((index, None, error))
+        else:
+            await queue.put((index, None, None))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, event, error = await queue.get()
+            if error is not None:
+                raise error
+            if event is None:
+                running -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # a stream whose task never started still holds its admission
+
+
+async def _stream(coordinator: Coordinator, runs: list[Prepared], tickets: list[Ticket], writer: ResponseWriter,
+                  body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[str]:
+    copies = body.choices if len(runs) == 1 else 1  # greedy n > 1: one run, its events sent for every choice
+    if writer.echo:
+        for index in range(body.choices):
+            yield sse(writer.echo_chunk(index))
+    last_events: list[StreamEvent] = []
+    try:
+        streams = [coordinator.run(prepared, "http", ticket) for prepared, ticket in zip(runs, tickets)]
+        async for run, event in _merged(streams):
+            for copy in range(copies):
+                yield sse(writer.chunk(run + copy, event))
+            if event.finish_reason:
+                last_events += [event] * copies
+        if body.include_usage:
+            yield sse(writer.usage_chunk(last_events))
     except Overloaded as error:
         # headers are sent already: the error travels as an event, the way OpenAI's streams report one
         yield sse(_busy_body(error))
@@ -171,7 +279,7 @@ async def _stream(coordinator: Coordinator, prepared: Prepared, writer: Response
     except WorkerLost as error:
         yield sse(error_body(str(error), None, "server_unavailable", "worker_lost"))
     except Exception as error:  # noqa: BLE001 -- report, don't leave the client waiting on a cut stream
-        log.exception("stream failed request_id=%s", prepared.request_id)
+        log.exception("stream failed request_id=%s", runs[0].request_id)
         yield sse(error_body(f"internal error: {type(error).__name__}", None, "server_error"))
     yield sse("[DONE]")
 
@@ -207,6 +315,33 @@ def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordi
             return JSONResponse(error_body(f"The model '{model_id}' does not exist", "model",
                                            "invalid_request_error", "model_not_found"), status_code=404)
         return model_card(coordinator)
+
+    @app.post("/tokenize", responses=tokenizer_responses(Tokenized))
+    async def tokenize(body: TokenizeRequest, coordinator: Coordinator = Depends(get_coordinator)):
+        try:
+            _check_model(coordinator, body.model)
+            prompt = body.generation_prompt()
+            if prompt.get("prompt") is not None and not body.add_special_tokens:
+                tokens = coordinator.target_model.encode(body.prompt)
+            else:
+                tokens = coordinator.target_prompt_ids(GenerationRequest.model_validate({**prompt, "params": {}}))
+        except InvalidRequest as error:
+            return _invalid(error)
+        return {"count": len(tokens), "tokens": tokens,
+                "max_prompt_tokens": coordinator.config.limits.max_prompt_tokens}
+
+    @app.post("/detokenize", responses=tokenizer_responses(Detokenized))
+    async def detokenize(body: DetokenizeRequest, coordinator: Coordinator = Depends(get_coordinator)):
+        try:
+            _check_model(coordinator, body.model)
+            vocab_size = coordinator.target_model.vocab_size
+            for index, token_id in enumerate(body.tokens):
+                if not 0 <= token_id < vocab_size:
+                    raise InvalidRequest(f"tokens.{index}", f"{token_id} is not a token id of the target "
+                                                            f"(its vocabulary has {vocab_size})")
+        except InvalidRequest as error:
+            return _invalid(error)
+        return {"prompt": coordinator.target_model.tokenizer.decode(body.tokens)}
 
     @app.get("/health")
     async def health(coordinator: Coordinator = Depends(get_coordinator)):

@@ -352,7 +352,7 @@ class DecodeLoop:
         self.stats.pipeline_misses += outcome == "miss"
         self.stats.batch_rows += 1
         self.stats.chosen_draft_tokens += drafted
-        event = self.progress.commit(drafted, result.new_ids)
+        event = self.progress.commit(drafted, result.new_ids, result.logprobs)
         self.on_step(Step(drafted, accepted, drafter_seconds, result.seconds, alignment_seconds,
                           outcome))
         return event

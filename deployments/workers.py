@@ -35,6 +35,7 @@ from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
 from hetspec.decoder import TargetSide
 from hetspec.kv import SharedPasses, prefill
 from hetspec.models import LanguageModel, load_model
+from hetspec.output import TokenLogprob
 from hetspec.tree import TokenTree
 
 from deployments.config import PipelineConfig
@@ -68,7 +69,8 @@ class ModelInfo:
 @dataclass
 class VerifyResult:
     new_ids: list[int]  # accepted candidates and the target's own next token
-    seconds: float  # time inside the target
+    seconds: float = 0.0  # time inside the target
+    logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked for them
 
 
 # a request between steps (its other model's pass, the coordinator's turn) still counts as in flight
@@ -259,10 +261,11 @@ class TargetWorker(_Worker):
         """Per item (request_id, draft): the ids the target commits, or the exception; one pass verifies them all."""
         def verify(session: _TargetSession, draft: Draft):
             draft = replace(draft, draft_probs=self._draft_probs(draft, session), first_row=0)
-            return session.side.verify(session.algorithm, draft, session.params)
+            new_ids = yield from session.side.verify(session.algorithm, draft, session.params)
+            return VerifyResult(new_ids, logprobs=session.side.step_logprobs)
 
         outcomes, seconds = self._run_for([(request_id, (draft,)) for request_id, draft in items], verify)
-        return [outcome if isinstance(outcome, BaseException) else VerifyResult(outcome, seconds)
+        return [outcome if isinstance(outcome, BaseException) else replace(outcome, seconds=seconds)
                 for outcome in outcomes]
 
     def _draft_probs(self, draft: Draft, session: _TargetSession) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationInfo, field_validator, model_validator
 
 Algorithm = Literal["auto", "ar", "sd", "slem", "tli", "slrs"]
 ALGORITHMS: tuple[str, ...] = ("auto", "ar", "sd", "slem", "tli", "slrs")
@@ -52,6 +52,13 @@ class SamplingParams(StrictModel):
                             description="Generation ends right before the first of these strings to complete "
                                         "(docs/stop-strings.md).")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list, max_length=64, description=(
+        "Generation ends after any of these target token ids (kept in the output, like EOS); they apply with "
+        "ignore_eos too (vLLM's stop_token_ids)."))
+    logprobs: int | None = Field(None, ge=0, le=20, description=(
+        "Return the target's log-probability of each generated token and of its this-many most likely "
+        "alternatives (0: the token's own only); None: none. Raw log-softmax of the target's logits, before "
+        "temperature, top-k and top-p (vLLM's default)."))
 
     @field_validator("temperature", "top_p")
     @classmethod

@@ -19,13 +19,15 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
+import torch
+
 from hetspec.adaptive import LoadAdaptive
 from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.align import complete_utf8_length
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
 from hetspec.kv import Feed, Steps, forward, run_lockstep
 from hetspec.models import LanguageModel
-from hetspec.output import DraftLength, OutputText, Stats, StreamEvent
+from hetspec.output import DraftLength, OutputText, Stats, StreamEvent, TokenLogprob, token_logprobs
 from hetspec.tree import TokenTree, chain_then_tree
 from hetspec.verify import verify_candidates, verify_tree
 
@@ -43,6 +45,7 @@ class TargetSide:
         self.ids = list(prompt_ids)
         self.prompt_len = len(self.ids)
         self.forwards = 0
+        self.step_logprobs: list[TokenLogprob] | None = None  # of the ids the last verify committed (params.logprobs)
 
     @property
     def generated_ids(self) -> list[int]:
@@ -62,6 +65,7 @@ class TargetSide:
         # Rollback: keep the keys and values of the committed ids and the accepted candidates only.
         self.session.rollback(len(self.ids) + accepted_len)
         new_ids = draft.candidates[:accepted_len] + [next_token]
+        self._record_logprobs(params, logits[:accepted_len + 1], new_ids)
         self.ids.extend(new_ids)
         return new_ids
 
@@ -75,8 +79,15 @@ class TargetSide:
         tree_start = cached + len(pending)
         self.session.keep(list(range(tree_start)) + [tree_start + node for node in accepted])
         new_ids = [tree.tokens[node] for node in accepted] + [next_token]
+        rows = [0] + [node + 1 for node in accepted]  # each committed id's logits: after its parent node
+        self._record_logprobs(params, logits[rows], new_ids)
         self.ids.extend(new_ids)
         return new_ids
+
+    def _record_logprobs(self, params: SamplingParams, target_logits: torch.Tensor, new_ids: list[int]) -> None:
+        """target_logits: [len(new_ids), vocab], the rows the committed ids were chosen from."""
+        if params.logprobs is not None:
+            self.step_logprobs = token_logprobs(target_logits, new_ids, params.logprobs)
 
     def release(self) -> None:
         self.session.release()
@@ -96,6 +107,7 @@ class Progress:
         self.stats = stats
         stats.seed = params.seed
         self.policy = DraftLength(speculation)
+        self.logprobs: list[TokenLogprob] = []  # of the committed ids, when params.logprobs is set
         self.drafts = 0  # the next draft's round (hetspec.sampling: the drafter's numbers are never reused)
         self.started = time.perf_counter()
         self.finished = False
@@ -123,19 +135,23 @@ class Progress:
         self.drafts += 1
         return self.drafts - 1
 
-    def commit(self, drafted: int, new_ids: list[int]) -> StreamEvent:
-        """Account a verified step and release its text; the last event carries the finish reason and statistics."""
+    def commit(self, drafted: int, new_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
+        """Account a verified step and release its text; the last event carries the finish reason and statistics.
+        ``logprobs``: one per new id (``TargetSide.step_logprobs``), when the request asked for them."""
         self.stats.target_forwards += 1
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += len(new_ids) - 1
         self.policy.update(drafted, len(new_ids) - 1)
+        released = self.output.released_tokens
+        self.logprobs.extend(logprobs or [])  # index i: output token i (OutputText only cuts ids at the end)
         kept_ids, delta, finish = self.output.add(new_ids)
         self.stats.generated_tokens = len(self.output.token_ids)
+        kept_logprobs = self.logprobs[released:released + len(kept_ids)] if self.params.logprobs is not None else None
         if finish:
             self.finished = True
             self.stats.total_seconds = time.perf_counter() - self.started
-            return StreamEvent(kept_ids, delta, finish, self.stats)
-        return StreamEvent(kept_ids, delta)
+            return StreamEvent(kept_ids, delta, finish, self.stats, kept_logprobs)
+        return StreamEvent(kept_ids, delta, logprobs=kept_logprobs)
 
 
 class Request(Progress):
@@ -249,7 +265,7 @@ class BatchDecoder:
             request.stats.target_seconds += target_seconds
             request.stats.batch_rows += len(running)
             request.stats.chosen_draft_tokens += lengths[index]
-            event = request.commit(draft.proposed_len, new_ids)
+            event = request.commit(draft.proposed_len, new_ids, request.target.step_logprobs)
             if event.token_ids or event.text or event.finish_reason:
                 events.append((request, event))
             if request.finished:

@@ -11,7 +11,7 @@ from hetspec.algorithms import PairMaps, resolve_name
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
 from hetspec.decoder import BatchDecoder, Request
 from hetspec.models import LanguageModel
-from hetspec.output import GenerationResult, StreamEvent
+from hetspec.output import GenerationResult, ResultBuilder, StreamEvent
 
 Prompt = str | list[dict[str, str]]  # a plain prompt or chat messages
 
@@ -100,7 +100,7 @@ class Engine:
                 raise type(error)(f"prompts[{index}]: {error}") from error
             waiting.append(request)
         results: list[GenerationResult | None] = [None] * len(waiting)
-        pieces: dict[int, tuple[list[int], list[str]]] = {index: ([], []) for index in range(len(waiting))}
+        builders = [ResultBuilder(request.target.ids[:request.target.prompt_len]) for request in waiting]
         decoder = self.decoder(waiting[0].speculation.load_adaptive if waiting else None)
         bar = _progress_bar(len(waiting)) if progress else None
         queue = list(reversed(waiting))
@@ -110,12 +110,8 @@ class Engine:
                     decoder.add(queue.pop())
                 for request, event in decoder.step():
                     index = int(request.request_id)
-                    pieces[index][0].extend(event.token_ids)
-                    pieces[index][1].append(event.text)
+                    results[index] = builders[index].add(event)
                     if event.finish_reason:
-                        token_ids, texts = pieces.pop(index)
-                        results[index] = GenerationResult("".join(texts), token_ids, event.finish_reason,
-                                                          event.stats, request.target.ids[:request.target.prompt_len])
                         if bar is not None:
                             bar.update(1)
         finally:
@@ -128,13 +124,11 @@ class Engine:
 
 
 def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
-    token_ids: list[int] = []
-    pieces: list[str] = []
+    builder = ResultBuilder()
     for event in events:
-        token_ids.extend(event.token_ids)
-        pieces.append(event.text)
-        if event.finish_reason:
-            return GenerationResult("".join(pieces), token_ids, event.finish_reason, event.stats)
+        result = builder.add(event)
+        if result is not None:
+            return result
     raise AssertionError("the stream ended without a finish reason")
 
 

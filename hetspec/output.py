@@ -10,6 +10,8 @@ import bisect
 import codecs
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from hetspec.config import SamplingParams, SpeculationConfig
 from hetspec.models import LanguageModel
 from hetspec.vocab import token_bytes
@@ -58,11 +60,32 @@ class Stats:
 
 
 @dataclass
+class TokenLogprob:
+    """The target's log-probability of one generated token and of its most likely alternatives: the raw
+    log-softmax of the target's logits at that position (before temperature, top-k and top-p)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first; SamplingParams.logprobs long
+
+
+def token_logprobs(target_logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprob]:
+    """Each id's log-probability in its row and the ``top`` largest of the row.  target_logits: [len(ids), vocab]"""
+    log_probs = torch.log_softmax(target_logits.float(), dim=-1)
+    chosen = log_probs[torch.arange(len(token_ids)), torch.tensor(token_ids, dtype=torch.long)].tolist()
+    best_values, best_ids = log_probs.topk(top, dim=-1) if top else (log_probs[:, :0], log_probs[:, :0])
+    return [TokenLogprob(token_id, logprob, list(zip(ids, values)))
+            for token_id, logprob, ids, values in zip(token_ids, chosen, best_ids.long().tolist(),
+                                                      best_values.tolist())]
+
+
+@dataclass
 class StreamEvent:
     token_ids: list[int]  # released by this step (OutputText holds back those that may lie in a stop string)
     text: str  # the text they add; never splits a UTF-8 character nor ends with a possible stop string's start
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" on the last event
     stats: Stats | None = None  # on the last event
+    logprobs: list[TokenLogprob] | None = None  # one per id of token_ids when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -72,6 +95,28 @@ class GenerationResult:
     finish_reason: str
     stats: Stats
     prompt_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per id of token_ids when SamplingParams.logprobs is set
+
+
+class ResultBuilder:
+    """A request's stream events joined into its ``GenerationResult``."""
+
+    def __init__(self, prompt_ids: list[int] | None = None):
+        self.prompt_ids = list(prompt_ids or [])
+        self.token_ids: list[int] = []
+        self.pieces: list[str] = []
+        self.logprobs: list[TokenLogprob] | None = None
+
+    def add(self, event: StreamEvent) -> GenerationResult | None:
+        """The result once ``event`` is the last one, else None."""
+        self.token_ids.extend(event.token_ids)
+        self.pieces.append(event.text)
+        if event.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + event.logprobs
+        if not event.finish_reason:
+            return None
+        return GenerationResult("".join(self.pieces), self.token_ids, event.finish_reason, event.stats,
+                                self.prompt_ids, self.logprobs)
 
 
 class DraftLength:
@@ -120,7 +165,7 @@ class OutputText:
 
     def __init__(self, target: LanguageModel, params: SamplingParams):
         self.table = token_bytes(target.tokenizer)
-        self.eos_ids = set() if params.ignore_eos else set(target.eos_token_ids)
+        self.eos_ids = (set() if params.ignore_eos else set(target.eos_token_ids)) | set(params.stop_token_ids)
         self.params = params
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.token_ids: list[int] = []

@@ -49,7 +49,7 @@ def openapi(served_app):
 # schemathesis's Python API (its pytest loader, ``from_fixture``, does not run under pytest 9: it sets
 # ``node._nodeid``): one hypothesis run per route and mode; negative cases break the schema on purpose.
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 def test_http_api_from_its_openapi_document(served_app, openapi, path, mode):
     @LIVE
     @given(case=openapi[path]["POST"].as_strategy(generation_mode=mode))

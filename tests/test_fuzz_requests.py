@@ -112,13 +112,15 @@ def through_the_server(coordinator, http, request_model, route: str, body: dict)
     request = validate_or_name_the_field(request_model, body)
     if request is not None:
         try:
-            prepared = _prepare(coordinator, request, "fuzz")
+            runs = _prepare(coordinator, request, "fuzz")
         except InvalidRequest as error:
             param = request_error(error)["error"]["param"]  # in the client's own words
             assert param.split(".")[0] in request_model.model_fields, (param, error)
         else:
-            _assert_finite(prepared.params)
-            assert 1 <= len(prepared.target_prompt_ids) <= 64
+            assert len(runs) in (1, request.choices) and len({prepared.request_id for prepared in runs}) == len(runs)
+            for prepared in runs:
+                _assert_finite(prepared.params)
+                assert 1 <= len(prepared.target_prompt_ids) <= 64
             return  # valid: generating needs the workers (the live fuzz test sends those)
     response = http.post(route, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text

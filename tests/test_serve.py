@@ -20,6 +20,7 @@ from hetspec import Engine, SamplingParams, SpeculationConfig
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
 from serve_fixtures import NEW_TOKENS, served_app  # noqa: F401 -- the module's fixture
+from test_logprobs import independent_log_probs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -343,6 +344,84 @@ def test_latency_and_load_metrics_reach_rays_prometheus_endpoint(openai_client, 
     assert values["ray_hetspec_forward_passes_total"] >= 1
 
 
+def test_logprobs_over_http_and_grpc_are_the_targets_own(openai_client, served_app, engine, gemma, reference,  # noqa: F811
+                                                         grpc_stub):
+    expected = reference(PROMPTS[0])
+    own = independent_log_probs(gemma, gemma.encode_prompt(PROMPTS[0]), expected.token_ids)
+    completion = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[0], temperature=0,
+                                                  max_tokens=NEW_TOKENS, logprobs=2,
+                                                  extra_body={"hetspec": {"algorithm": "slem"}})
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx(
+        [float(own[index, token_id]) for index, token_id in enumerate(expected.token_ids)], abs=2e-3)
+    assert "".join(logprobs.tokens) == completion.choices[0].text  # ASCII code: no token splits a character
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:index])) for index in range(len(logprobs.tokens))]
+    for token, top in zip(logprobs.tokens, logprobs.top_logprobs):  # the two best, the greedy token among them
+        assert len(top) == 2 and max(top, key=top.get) == token
+
+    chat_expected = reference(messages=CHAT)
+    chat_ids = engine.prompt_ids(None, CHAT, gemma)
+    chat_own = independent_log_probs(gemma, chat_ids, chat_expected.token_ids)
+    chat = openai_client.chat.completions.create(model=served_app.model_id, messages=CHAT, temperature=0,
+                                                 max_tokens=NEW_TOKENS, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert [entry.logprob for entry in content] == pytest.approx(
+        [float(chat_own[index, token_id]) for index, token_id in enumerate(chat_expected.token_ids)], abs=2e-3)
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == chat.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token for entry in content)
+
+    request = pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=NEW_TOKENS, algorithm="tli", logprobs=1)
+    streamed = [entry for response in grpc_stub.GenerateStream(request, timeout=300) for entry in response.logprobs]
+    assert [entry.token_id for entry in streamed] == expected.token_ids
+    assert [entry.logprob for entry in streamed] == pytest.approx(logprobs.token_logprobs, abs=2e-3)
+    assert all(len(entry.top) == 1 and entry.top[0].token_id == entry.token_id for entry in streamed)
+
+
+def test_n_choices_echo_and_stop_token_ids_through_the_openai_client(openai_client, served_app, reference):  # noqa: F811
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 6, "extra_body": {"hetspec": {"algorithm": "slem"}}}
+    completion = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], n=3, **sampled)
+    # choice i is the target's own seeded sample with seed 11 + i (seeded SLEM reproduces the target's)
+    samples = [reference(PROMPTS[1], max_new_tokens=6, temperature=1.0, seed=11 + index) for index in range(3)]
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    assert [choice.model_extra["hetspec"]["token_ids"] for choice in completion.choices] == \
+        [sample.token_ids for sample in samples]
+    assert completion.usage.completion_tokens == sum(len(sample.token_ids) for sample in samples)
+    texts = ["", "", ""]
+    for chunk in openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], n=3, stream=True,
+                                                  stream_options={"include_usage": True}, **sampled):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [sample.text for sample in samples] and chunk.usage.completion_tokens == \
+        completion.usage.completion_tokens
+
+    expected = reference(PROMPTS[0])
+    greedy = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[0], n=2, temperature=0,
+                                              max_tokens=NEW_TOKENS, echo=True)
+    assert [choice.text for choice in greedy.choices] == [PROMPTS[0] + expected.text] * 2
+    assert greedy.usage.completion_tokens == 2 * len(expected.token_ids)
+
+    stop_id = expected.token_ids[3]
+    stopped = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[0], temperature=0,
+                                               max_tokens=NEW_TOKENS, extra_body={"stop_token_ids": [stop_id]})
+    first = expected.token_ids.index(stop_id)
+    assert stopped.model_extra["hetspec"]["token_ids"] == expected.token_ids[:first + 1]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_and_detokenize_round_trip(served_app, engine, gemma):  # noqa: F811
+    tokenized = httpx.post(f"{served_app.http_url}/tokenize", json={"model": served_app.model_id,
+                                                                   "prompt": PROMPTS[2]}, timeout=60).json()
+    assert tokenized["tokens"] == gemma.encode_prompt(PROMPTS[2]) and tokenized["count"] == len(tokenized["tokens"])
+    bare = httpx.post(f"{served_app.http_url}/tokenize", json={"prompt": PROMPTS[2], "add_special_tokens": False},
+                      timeout=60).json()
+    assert httpx.post(f"{served_app.http_url}/detokenize", json={"tokens": bare["tokens"]},
+                      timeout=60).json() == {"prompt": PROMPTS[2]}
+    chat = httpx.post(f"{served_app.http_url}/tokenize", json={"messages": CHAT}, timeout=60).json()
+    assert chat["tokens"] == engine.prompt_ids(None, CHAT, gemma)
+    refused = httpx.post(f"{served_app.http_url}/detokenize", json={"tokens": [1, -5]}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens.1"
+
+
 def test_models_and_health_routes(served_app, openai_client):  # noqa: F811
     import openai
 
@@ -360,7 +439,9 @@ BAD_HTTP = [
     ({"max_tokens": 100000}, "max_tokens"),
     ({"temperature": 5}, "temperature"),
     ({"top_p": 0}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"echo": True, "logprobs": 2}, "logprobs"),
     ({"prompt": ""}, "prompt"),
     ({"model": "gpt-4"}, "model"),
     ({"hetspec": {"algorithm": "magic"}}, "hetspec.algorithm"),

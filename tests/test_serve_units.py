@@ -191,8 +191,23 @@ class TestOpenAIRequests:
         assert generation.params.max_new_tokens == 7 and generation.params.ignore_eos
         assert generation.params.seed == 3 and generation.params.temperature == 0.0
 
+    def test_choices_logprobs_echo_and_stop_token_ids_translate(self):
+        completion = CompletionRequest(model="m", prompt="hi", n=3, logprobs=2, echo=False, stop_token_ids=[7])
+        params = completion.to_generation(default_max_tokens=8).params
+        assert completion.choices == 3 and (params.logprobs, params.stop_token_ids) == (2, [7])
+        chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True)
+        assert chat.to_generation(8).params.logprobs == 0  # the tokens' own, no alternatives
+        chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                     top_logprobs=4)
+        assert chat.to_generation(8).params.logprobs == 4
+        assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]).to_generation(8) \
+            .params.logprobs is None
+        with pytest.raises(ValidationError, match="needs logprobs"):
+            ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+
     @pytest.mark.parametrize("change,field", [
-        ({"n": 2}, "n"), ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"),
+        ({"n": 17}, "n"), ({"echo": True, "logprobs": 1}, "logprobs"), ({"logprobs": 21}, "logprobs"),
+        ({"best_of": 2}, "best_of"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"presence_penalty": 1}, "presence_penalty"), ({"prompt": ["a", "b"]}, "prompt"),
         ({"colour": "red"}, "colour"), ({"hetspec": {"k": 3}}, "hetspec.k")])
     def test_unsupported_or_unknown_fields_are_named(self, change, field):
