@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,39 @@ def small_app_args(**overrides) -> dict:
 
 def grpc_servicer_functions() -> list[str]:
     return yaml.safe_load(SMALL_CONFIG.read_text())["grpc_options"]["grpc_servicer_functions"]
+
+
+def serve_logs_dir() -> Path:
+    """Serve's log folder of this session; the simulated nodes share the head's session folder.
+
+    Private API: Ray 2.60 has no public accessor for the session's log folder."""
+    import ray
+
+    return Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+
+def serve_log_sizes() -> dict[Path, int]:
+    """Each Serve log file's size now: where serve_log_since starts reading."""
+    return {path: path.stat().st_size for path in serve_logs_dir().glob("*.log")}
+
+
+def serve_log_since(sizes: dict[Path, int], request_id: str, timeout_s: float = 30) -> dict[str, str]:
+    """What each Serve log file (by name) gained since ``sizes``, once the proxy's and a replica's access line
+    of ``request_id`` are there (both are written after the answer is sent)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gained = {}
+        for path in serve_logs_dir().glob("*.log"):
+            with path.open("rb") as log:
+                log.seek(sizes.get(path, 0))
+                gained[path.name] = log.read().decode(errors="replace")
+        logged_by = {name.split("_")[0] for name, text in gained.items() if request_id in text}
+        if {"proxy", "replica"} <= logged_by:
+            return gained
+        if time.monotonic() > deadline:
+            raise AssertionError(f"request {request_id} not in the proxy's and a replica's log after {timeout_s} s "
+                                 f"(found in: {sorted(logged_by)})")
+        time.sleep(0.2)
 
 
 @dataclass
