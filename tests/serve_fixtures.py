@@ -1,6 +1,6 @@
 """A Serve deployment of hetspec for the tests: the small pair (float32) on a simulated three-node cluster.
 
-Imported by tests/test_serve.py and tests/test_limits_serve.py (``from serve_fixtures import ...``). One
+Imported by tests/test_serve.py, tests/test_limits_serve.py and others (``from serve_fixtures import ...``). One
 app serves every test of a module so the two models load once: the coordinator, drafter and target bundles are STRICT_SPREAD over
 three nodes (custom resources name them), which is also what the placement test checks.
 
@@ -79,6 +79,13 @@ def serve_log_since(sizes: dict[Path, int], request_id: str, timeout_s: float = 
                                  f"(found in: {sorted(logged_by)})")
         time.sleep(0.2)
 
+
+
+def assert_nothing_logged_as_an_error(sizes: dict[Path, int], request_id: str) -> None:
+    """No ERROR line and no traceback in Serve's logs since ``sizes``, once ``request_id`` was logged."""
+    for name, text in serve_log_since(sizes, request_id).items():
+        assert "Traceback" not in text and not any(line.startswith("ERROR") for line in text.splitlines()), \
+            f"{name}:\n{text}"
 
 @dataclass
 class ServedApp:
