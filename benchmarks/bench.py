@@ -36,7 +36,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="hetspec bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", choices=sorted(PAIRS), default="realistic", help="model pair (docs/models.md)")
     parser.add_argument("--target", help="target model (short name, .gguf, folder or hub id); overrides --pair")
     parser.add_argument("--drafter", help="drafter model; overrides --pair")
@@ -236,7 +236,7 @@ def run(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m benchmarks.bench`` and ``hetspec bench``; returns the exit status."""
+    """Entry point of ``python -m benchmarks.bench``; returns the exit status."""
     run(list(sys.argv[1:] if argv is None else argv))
     return 0
 

@@ -204,7 +204,7 @@ class Traffic:
         call = self.stub.GenerateStream(request, metadata=self.metadata)
         try:
             async for response in call:
-                if cancel:
+                if cancel and response.token_ids:  # not the empty last message of a refused stream
                     call.cancel()
                     return "cancelled", True, ""
                 if response.finish_reason:

@@ -1,11 +1,19 @@
 """gRPC: the ``hetspec.v1.HetSpec`` methods, served by Serve's gRPC proxy (protos/hetspec/v1/hetspec.proto).
 
 A mixin of the ingress deployment: Serve calls ``Generate`` / ``GenerateStream`` by name with the
-request message and a ``grpc_context`` on which a client error sets INVALID_ARGUMENT (field named in the
-details) before it is raised, and the proxy answers with that status. Likewise a missing or wrong API key
-is UNAUTHENTICATED, a full server RESOURCE_EXHAUSTED (details end with "retry after N s"), a request past
-``limits.request_timeout_s`` DEADLINE_EXCEEDED. Serve's proxy carries only the code and the details of a
-failed call back to the client (not trailing metadata), so the retry hint is in the details.
+request message and a ``grpc_context``. Bad input is INVALID_ARGUMENT (field named in the details), a
+missing or wrong API key UNAUTHENTICATED, a full server RESOURCE_EXHAUSTED (details end with "retry after
+N s"), a request past ``limits.request_timeout_s`` DEADLINE_EXCEEDED.
+
+Those client errors are *answered*, not raised: the method sets the code and details on the
+``grpc_context`` and returns an empty ``GenerateResponse`` (a stream yields one as its last message), which
+Serve's proxy copies onto the call with the message (``RayServegRPCContext._set_on_grpc_context`` in
+``ray/serve/_private/proxy.py``). A unary client sees only the status; a stream's client also receives
+that empty message (no request_id, no token ids, no finish_reason) just before the status, because the
+proxy reads the context only as a message passes. Raising instead would make Serve log an ERROR with a
+traceback per bad request (the replica's "Request failed.", the proxy's "Request failed with user-set gRPC
+status code"). Server faults (a model actor lost: UNAVAILABLE) are still raised,
+with their status set first, so they are logged with their traceback.
 
 A client's own deadline is honoured by gRPC itself: when it passes, the proxy's call is cancelled, Serve
 cancels the replica's request, and the coordinator frees its sessions (the cancellation path).
@@ -67,73 +75,92 @@ def _usage(event: StreamEvent) -> pb.Usage:
                     total_tokens=stats.prompt_tokens + stats.generated_tokens)
 
 
+# Answered with a status (client_status), never raised to Serve: see the module docstring.
+CLIENT_ERRORS = (Unauthenticated, InvalidRequest, Overloaded, RequestTimeout)
+
+
+def client_status(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and details that answer one of CLIENT_ERRORS."""
+    if isinstance(error, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(error)
+    if isinstance(error, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{_proto_field(error.field)}: {error.message}"
+    if isinstance(error, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, _with_retry_hint(str(error), error.retry_after_s)
+    if isinstance(error, RequestTimeout):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(error)
+    raise TypeError(f"not a client error: {error!r}")
+
+
 class GrpcMethods:
     coordinator: Coordinator
 
     def _prepare(self, request: pb.GenerateRequest, grpc_context) -> Prepared:
         metadata = grpc_context.invocation_metadata() if grpc_context is not None else []
-        try:  # first: an unauthenticated client learns nothing about its request
-            self.coordinator.api_keys.check(grpc_api_key(metadata),
-                                            "metadata 'authorization: Bearer <key>' (or 'x-api-key: <key>')")
-        except Unauthenticated as error:
-            _fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, str(error))
-            raise
-        try:
-            generation = to_generation(request, self.coordinator.config.limits.default_max_new_tokens)
-            return self.coordinator.prepare(generation, serve_request_id())
-        except InvalidRequest as error:
-            field = error.field
-            for ours, theirs in FIELD_NAMES.items():
-                field = field.replace(ours, theirs)
-            _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {error.message}")
-            raise
+        # first: an unauthenticated client learns nothing about its request
+        self.coordinator.api_keys.check(grpc_api_key(metadata),
+                                        "metadata 'authorization: Bearer <key>' (or 'x-api-key: <key>')")
+        generation = to_generation(request, self.coordinator.config.limits.default_max_new_tokens)
+        return self.coordinator.prepare(generation, serve_request_id())
 
     async def _events(self, prepared: Prepared, grpc_context) -> AsyncIterator[StreamEvent]:
         try:
             async with aclosing(self.coordinator.run(prepared, "grpc")) as events:
                 async for event in events:
                     yield event
-        except Overloaded as error:
-            _fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, _with_retry_hint(str(error), error.retry_after_s))
-            raise
-        except RequestTimeout as error:
-            _fail(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, str(error))
-            raise
         except WorkerLost as error:
-            _fail(grpc_context, grpc.StatusCode.UNAVAILABLE, str(error))
+            _set_status(grpc_context, grpc.StatusCode.UNAVAILABLE, str(error))
             raise
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:  # noqa: N802
-        prepared = self._prepare(request, grpc_context)
-        builder = ResultBuilder()
-        async with aclosing(self._events(prepared, grpc_context)) as events:
-            async for event in events:
-                if (result := builder.add(event)) is not None:
-                    return pb.GenerateResponse(request_id=prepared.request_id, text=result.text,
-                                               token_ids=result.token_ids, finish_reason=result.finish_reason,
-                                               usage=_usage(event), stats=_stats(event),
-                                               logprobs=_logprobs(result.logprobs))
+        try:
+            prepared = self._prepare(request, grpc_context)
+            builder = ResultBuilder()
+            async with aclosing(self._events(prepared, grpc_context)) as events:
+                async for event in events:
+                    if (result := builder.add(event)) is not None:
+                        return pb.GenerateResponse(request_id=prepared.request_id, text=result.text,
+                                                   token_ids=result.token_ids, finish_reason=result.finish_reason,
+                                                   usage=_usage(event), stats=_stats(event),
+                                                   logprobs=_logprobs(result.logprobs))
+        except CLIENT_ERRORS as error:
+            if grpc_context is None:  # a Python caller, not the proxy: the typed error is its answer
+                raise
+            _set_status(grpc_context, *client_status(error))
+            return pb.GenerateResponse()
         raise AssertionError("the decode loop ended without a finish reason")
 
     async def GenerateStream(self, request: pb.GenerateRequest,  # noqa: N802
                              grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
-        prepared = self._prepare(request, grpc_context)
-        async with aclosing(self._events(prepared, grpc_context)) as events:
-            async for event in events:
-                response = pb.GenerateResponse(request_id=prepared.request_id, text=event.text,
-                                               token_ids=event.token_ids, logprobs=_logprobs(event.logprobs))
-                if event.finish_reason:
-                    response.finish_reason = event.finish_reason
-                    response.usage.CopyFrom(_usage(event))
-                    response.stats.CopyFrom(_stats(event))
-                yield response
+        try:
+            prepared = self._prepare(request, grpc_context)
+            async with aclosing(self._events(prepared, grpc_context)) as events:
+                async for event in events:
+                    response = pb.GenerateResponse(request_id=prepared.request_id, text=event.text,
+                                                   token_ids=event.token_ids, logprobs=_logprobs(event.logprobs))
+                    if event.finish_reason:
+                        response.finish_reason = event.finish_reason
+                        response.usage.CopyFrom(_usage(event))
+                        response.stats.CopyFrom(_stats(event))
+                    yield response
+        except CLIENT_ERRORS as error:
+            if grpc_context is None:
+                raise
+            _set_status(grpc_context, *client_status(error))
+            yield pb.GenerateResponse()  # carries the status to the proxy (module docstring)
+
+
+def _proto_field(field: str) -> str:
+    for ours, theirs in FIELD_NAMES.items():
+        field = field.replace(ours, theirs)
+    return field
 
 
 def _with_retry_hint(message: str, retry_after_s: float) -> str:
     return f"{message}; retry after {math.ceil(retry_after_s)} s"
 
 
-def _fail(grpc_context, code: grpc.StatusCode, details: str) -> None:
+def _set_status(grpc_context, code: grpc.StatusCode, details: str) -> None:
     if grpc_context is not None:
         grpc_context.set_code(code)
         grpc_context.set_details(details)

@@ -1,4 +1,8 @@
-"""``hetspec generate`` and ``hetspec bench``."""
+"""``hetspec generate``.
+
+The benchmarks are not a sub-command: they sit above the library, in the repository's ``benchmarks/``
+(``python -m benchmarks.bench``), which a package install does not carry.
+"""
 
 from __future__ import annotations
 
@@ -147,17 +151,10 @@ def _read_prompts(path: str, defaults) -> tuple[list, list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hetspec", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hetspec", description="speculative decoding between any two models")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-    sub.add_parser("bench", help="run the benchmarks (see benchmarks/README.md)", add_help=False)
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        from benchmarks.bench import main as bench_main
-        return bench_main(rest) or 0
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return _run_generate(args)
+    return _run_generate(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A Serve deployment of hetspec for the tests: the small pair (float32) on a simulated three-node cluster.
 
-Imported by tests/test_serve.py and tests/test_limits_serve.py (``from serve_fixtures import ...``). One
+Imported by tests/test_serve.py, tests/test_limits_serve.py and others (``from serve_fixtures import ...``). One
 app serves every test of a module so the two models load once: the coordinator, drafter and target bundles are STRICT_SPREAD over
 three nodes (custom resources name them), which is also what the placement test checks.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,46 @@ def small_app_args(**overrides) -> dict:
 def grpc_servicer_functions() -> list[str]:
     return yaml.safe_load(SMALL_CONFIG.read_text())["grpc_options"]["grpc_servicer_functions"]
 
+
+def serve_logs_dir() -> Path:
+    """Serve's log folder of this session; the simulated nodes share the head's session folder.
+
+    Private API: Ray 2.60 has no public accessor for the session's log folder."""
+    import ray
+
+    return Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+
+def serve_log_sizes() -> dict[Path, int]:
+    """Each Serve log file's size now: where serve_log_since starts reading."""
+    return {path: path.stat().st_size for path in serve_logs_dir().glob("*.log")}
+
+
+def serve_log_since(sizes: dict[Path, int], request_id: str, timeout_s: float = 30) -> dict[str, str]:
+    """What each Serve log file (by name) gained since ``sizes``, once the proxy's and a replica's access line
+    of ``request_id`` are there (both are written after the answer is sent)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gained = {}
+        for path in serve_logs_dir().glob("*.log"):
+            with path.open("rb") as log:
+                log.seek(sizes.get(path, 0))
+                gained[path.name] = log.read().decode(errors="replace")
+        logged_by = {name.split("_")[0] for name, text in gained.items() if request_id in text}
+        if {"proxy", "replica"} <= logged_by:
+            return gained
+        if time.monotonic() > deadline:
+            raise AssertionError(f"request {request_id} not in the proxy's and a replica's log after {timeout_s} s "
+                                 f"(found in: {sorted(logged_by)})")
+        time.sleep(0.2)
+
+
+
+def assert_nothing_logged_as_an_error(sizes: dict[Path, int], request_id: str) -> None:
+    """No ERROR line and no traceback in Serve's logs since ``sizes``, once ``request_id`` was logged."""
+    for name, text in serve_log_since(sizes, request_id).items():
+        assert "Traceback" not in text and not any(line.startswith("ERROR") for line in text.splitlines()), \
+            f"{name}:\n{text}"
 
 @dataclass
 class ServedApp:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 
 import grpc
 import httpx
@@ -18,7 +19,7 @@ import pytest
 
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
-from serve_fixtures import serve_app, small_app_args
+from serve_fixtures import assert_nothing_logged_as_an_error, serve_app, serve_log_sizes, small_app_args
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
@@ -123,11 +124,13 @@ def test_grpc_needs_the_key(grpc_stub, method, metadata, accepted):
         messages = list(result) if method == "GenerateStream" else [result]
         assert messages[-1].usage.completion_tokens == 2
         return
+    sizes, request_id = serve_log_sizes(), uuid.uuid4().hex
     with pytest.raises(grpc.RpcError) as raised:
-        result = call(request, metadata=metadata, timeout=60)
+        result = call(request, metadata=(*metadata, ("request_id", request_id)), timeout=60)
         list(result) if method == "GenerateStream" else result
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "API key" in raised.value.details() and "sk-" not in raised.value.details()
+    assert_nothing_logged_as_an_error(sizes, request_id)  # answered, not raised: no ERROR traceback
 
 
 def test_full_server_answers_429_and_resource_exhausted(limited_app, grpc_stub):

@@ -1,13 +1,41 @@
 """Model registry, loading errors and the command line."""
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from hetspec import registry
 from hetspec.models import resolve_source
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _imported_top_level_names(path: Path) -> set[str]:
+    """The top-level module of every absolute import in the file, at any depth (lazy imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_library_imports_nothing_of_ours_above_it():
+    """hetspec/ is the bottom layer: deployments/ and protos/ sit on it (Ray, gRPC), and benchmarks/, tests/ and
+    scripts/ are not even installed (pyproject packages hetspec, deployments and protos), so an import of them
+    breaks a regular install (as ``hetspec bench`` importing benchmarks did)."""
+    ours_above = {path.name for path in REPO.iterdir()
+                  if path.is_dir() and path.name != "hetspec" and not path.name.startswith(".") and any(path.glob("*.py"))}
+    assert {"benchmarks", "deployments", "protos", "tests"} <= ours_above  # the scan looks for the right names
+    imports_from_above = {str(path.relative_to(REPO)): sorted(_imported_top_level_names(path) & ours_above)
+                          for path in sorted((REPO / "hetspec").rglob("*.py"))}
+    assert len(imports_from_above) > 10  # every module of the library was read
+    assert {path: names for path, names in imports_from_above.items() if names} == {}
 
 
 def test_registry_refuses_a_wrong_sha256(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
 from serve_fixtures import NEW_TOKENS, served_app  # noqa: F401 -- the module's fixture
 from test_logprobs import independent_log_probs
+from serve_fixtures import assert_nothing_logged_as_an_error, serve_log_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -488,9 +490,12 @@ BAD_GRPC = [
 
 @pytest.mark.parametrize("request_message,field", BAD_GRPC, ids=[field for _, field in BAD_GRPC])
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
-def test_bad_grpc_input_is_invalid_argument(grpc_stub, request_message, field, method):
+def test_bad_grpc_input_is_invalid_argument_without_an_error_logged(grpc_stub, request_message, field, method):
+    sizes, request_id = serve_log_sizes(), uuid.uuid4().hex
     with pytest.raises(grpc.RpcError) as raised:
-        result = getattr(grpc_stub, method)(request_message, timeout=60)
+        result = getattr(grpc_stub, method)(request_message, metadata=[("request_id", request_id)], timeout=60)
         list(result) if method == "GenerateStream" else result
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details().startswith(f"{field}:"), raised.value.details()
+    # a client's mistake is answered, not raised: Serve logs a raised one as an ERROR with a traceback
+    assert_nothing_logged_as_an_error(sizes, request_id)

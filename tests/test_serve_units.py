@@ -7,17 +7,21 @@ import importlib
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import grpc
 import pytest
 import yaml
 from pydantic import ValidationError
 
+from deployments.admission import Overloaded, RequestTimeout
 from deployments.app import deployment_options
+from deployments.auth import ApiKeys, Unauthenticated
 from deployments.config import AppConfig
 from deployments.coordinator import InvalidRequest
-from deployments.grpc_service import to_generation
+from deployments.grpc_service import GrpcMethods, client_status, to_generation
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
-from deployments.pipeline import _Speculation
+from deployments.pipeline import WorkerLost, _Speculation
 from deployments.sessions import Sessions, SessionLimitReached, UnknownSession
 from hetspec.algorithms import Draft
 from protos.generate import stale_stubs
@@ -230,6 +234,93 @@ class TestGrpcRequests:
         (pb.GenerateRequest(prompt="hi", stop=[""]), "stop")])
     def test_bad_fields_are_named(self, request_message, field):
         assert _invalid_field(lambda: to_generation(request_message, 9)).startswith(field)
+
+
+class _Context:
+    """The part of Serve's RayServegRPCContext the methods use."""
+
+    def __init__(self, metadata=()):
+        self.metadata, self.code, self.details = list(metadata), None, None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+def _grpc_methods(run_error: Exception | None = None) -> GrpcMethods:
+    """GrpcMethods on a stand-in coordinator: key "sk-1" required; a prepared request's run raises run_error."""
+    async def run(prepared, interface):
+        raise run_error
+        yield  # an async generator, like Coordinator.run
+
+    methods = GrpcMethods()
+    methods.coordinator = SimpleNamespace(
+        api_keys=ApiKeys(["sk-1"]), config=SimpleNamespace(limits=SimpleNamespace(default_max_new_tokens=4)),
+        prepare=lambda generation, request_id: SimpleNamespace(request_id="r-1"), run=run)
+    return methods
+
+
+async def _answers(methods: GrpcMethods, method: str, context,
+                   request=pb.GenerateRequest(prompt="hi")) -> list[pb.GenerateResponse]:
+    if method == "Generate":
+        return [await methods.Generate(request, context)]
+    return [message async for message in methods.GenerateStream(request, context)]
+
+
+AUTHORIZED = [("authorization", "Bearer sk-1")]
+
+
+class TestGrpcClientErrors:
+    """Client errors are answered with a status and one empty message, not raised: Serve would log a traceback."""
+
+    @pytest.mark.parametrize("error,code,details", [
+        (Unauthenticated("invalid API key"), grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
+        (InvalidRequest("params.top_p", "must be <= 1"), grpc.StatusCode.INVALID_ARGUMENT, "top_p: must be <= 1"),
+        (Overloaded("server busy", retry_after_s=1.5), grpc.StatusCode.RESOURCE_EXHAUSTED,
+         "server busy; retry after 2 s"),
+        (RequestTimeout("too long"), grpc.StatusCode.DEADLINE_EXCEEDED, "too long")])
+    def test_each_client_error_has_its_status(self, error, code, details):
+        assert client_status(error) == (code, details)
+
+    def test_a_server_fault_is_not_a_client_error(self):
+        with pytest.raises(TypeError):
+            client_status(WorkerLost("target"))
+
+    @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+    @pytest.mark.parametrize("metadata,run_error,code,details", [
+        ((), None, grpc.StatusCode.UNAUTHENTICATED, "missing API key: send metadata 'authorization: Bearer <key>' "
+                                                    "(or 'x-api-key: <key>')"),
+        (AUTHORIZED, Overloaded("server busy", 1), grpc.StatusCode.RESOURCE_EXHAUSTED, "server busy; retry after 1 s"),
+        (AUTHORIZED, RequestTimeout("too long"), grpc.StatusCode.DEADLINE_EXCEEDED, "too long")],
+        ids=["unauthenticated", "overloaded", "timeout"])
+    def test_answered_with_the_status_and_one_empty_message(self, method, metadata, run_error, code, details):
+        context = _Context(metadata)
+        assert asyncio.run(_answers(_grpc_methods(run_error), method, context)) == [pb.GenerateResponse()]
+        assert (context.code, context.details) == (code, details)
+
+    @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+    def test_bad_input_names_the_proto_field(self, method):
+        context = _Context(AUTHORIZED)
+        request = pb.GenerateRequest(prompt="hi", top_p=1.5)
+        assert asyncio.run(_answers(_grpc_methods(), method, context, request)) == [pb.GenerateResponse()]
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT and context.details.startswith("top_p:")
+
+    @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+    def test_without_a_grpc_context_the_typed_error_is_raised(self, method):
+        with pytest.raises(Unauthenticated):  # no context, so no metadata: no key
+            asyncio.run(_answers(_grpc_methods(), method, None))
+
+    @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+    def test_a_lost_worker_is_raised_with_unavailable_set(self, method):
+        context = _Context(AUTHORIZED)
+        with pytest.raises(WorkerLost):
+            asyncio.run(_answers(_grpc_methods(WorkerLost("target")), method, context))
+        assert context.code == grpc.StatusCode.UNAVAILABLE and "target actor is gone" in context.details
 
 
 def _usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
