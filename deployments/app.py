@@ -92,6 +92,9 @@ def deployment_options(config: AppConfig) -> dict:
         "health_check_timeout_s": config.lifecycle.health_check_timeout_s,
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": config.lifecycle.graceful_shutdown_wait_loop_s,
+        # Serve calls reconfigure only while a user_config is set: with {} as the code's own, a Serve config
+        # that drops its user_config reconfigures the replicas back to args instead of leaving the last one
+        "user_config": {},
     }
 
 

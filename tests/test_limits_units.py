@@ -294,6 +294,7 @@ class TestAuthConfig:
         assert options["max_ongoing_requests"] == 4 + 6 + CONTROL_SLOTS
         assert options["max_queued_requests"] == 9
         assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 2.5}
+        assert options["user_config"] == {}  # a Serve config dropping its user_config goes back to args
         assert config.limits.retry_after_header == "3"
 
 
