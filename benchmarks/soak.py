@@ -25,18 +25,17 @@ import json
 import math
 import os
 import random
-import socket
 import sys
 import time
 from collections import Counter, defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from benchmarks import report
-from deployments.client import wait_until_healthy
+from deployments.local_serve import local_serve
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -323,45 +322,6 @@ def _sessions(stats: dict) -> dict:
     return {role: stats[role].get("active_sessions", stats[role].get("error")) for role in ("target", "drafter")}
 
 
-# --- starting a server like the tests do -------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def started_server(config_path: Path):
-    """A private local Ray instance serving the config's application; shut down afterwards."""
-    import ray
-    import yaml
-    from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    document = yaml.safe_load(config_path.read_text())
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private instance on 127.0.0.1 (see deployments/README.md)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    ray.init(address="local", log_to_driver=False)  # a new instance, never one already running here
-    try:
-        from deployments.app import build_app
-
-        http_port, grpc_port = _free_port(), _free_port()
-        servicers = document["grpc_options"]["grpc_servicer_functions"]
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port},
-                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=servicers))
-        application = document["applications"][0]
-        serve.run(build_app(application["args"]), name=application["name"], route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{http_port}"
-        wait_until_healthy(url, 600)
-        yield url, f"127.0.0.1:{grpc_port}"
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-
-
 # --- the report ---------------------------------------------------------------------------------------------
 
 def _percentiles(values: list[float]) -> dict:
@@ -511,8 +471,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     meta = report.provenance(argv, "server", module="benchmarks.soak")
     if args.start:
-        with started_server(args.config) as (url, grpc_target):
-            result = asyncio.run(soak(args, url, grpc_target))
+        # the whole machine as one node; $HETSPEC_API_KEY reaches the replicas, as --api-key's default the client
+        serve_config = yaml.safe_load(args.config.read_text())
+        with local_serve(serve_config, ready_timeout_s=600, keep_api_key=True) as served:
+            result = asyncio.run(soak(args, served.http_url, served.grpc_target))
     else:
         result = asyncio.run(soak(args, args.url.rstrip("/"), args.grpc))
     result = {"meta": meta, "note": args.note, **result}

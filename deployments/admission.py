@@ -113,12 +113,16 @@ class Ticket:
             self._admission._leave_line(self)
 
 
+def _check_limits(max_running: int, max_waiting: int) -> None:
+    if max_running < 1 or max_waiting < 0:
+        raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+
+
 class Admission:
     def __init__(self, max_running: int, max_waiting: int, retry_after_s: float, kv_budget: int | None = None,
                  on_change: Callable[[], None] = lambda: None):
         """``on_change``: called whenever the running or waiting requests change (the metrics gauges)."""
-        if max_running < 1 or max_waiting < 0:
-            raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        _check_limits(max_running, max_waiting)
         self.on_change = on_change
         self.max_running = max_running
         self.max_waiting = max_waiting
@@ -134,9 +138,22 @@ class Admission:
     def waiting(self) -> int:
         return len(self._line)
 
+    def resize(self, max_running: int, max_waiting: int, retry_after_s: float, kv_budget: int | None) -> None:
+        """New limits, for the requests admitted from now on (Serve's reconfigure). Nobody is turned out:
+        running requests keep their slots above a lowered cap, and a line longer than a lowered
+        ``max_waiting`` only stops taking newcomers; raised limits let the first in line in at once."""
+        _check_limits(max_running, max_waiting)
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.retry_after_s, self.kv_budget = retry_after_s, kv_budget
+        self._hand_room()
+        self.on_change()
+
     def _fits(self, kv_bytes: int) -> bool:
-        return self.running < self.max_running and (self.kv_budget is None or
-                                                    self.kv_bytes + kv_bytes <= self.kv_budget)
+        if self.running >= self.max_running:
+            return False
+        # Alone, a request always fits: admit() turns away any above the budget, so one in line that is was
+        # admitted before the budget was lowered (resize), and it must not wait forever at the head of the line.
+        return self.kv_budget is None or self.running == 0 or self.kv_bytes + kv_bytes <= self.kv_budget
 
     def admit(self, kv_bytes: int = 0) -> Ticket:
         """A ticket, or ``Overloaded`` when every running slot and every place in line is taken (or the

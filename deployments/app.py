@@ -9,16 +9,19 @@ strategy decides whether a pipeline's models share a node. The per-token path is
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Callable
 
 import ray
 from ray import serve
 
 from deployments.actors import ActorPipeline
-from deployments.config import AppConfig
+from deployments.config import SERVER_DEPLOYMENT, AppConfig, with_user_config
 from deployments.coordinator import Coordinator
 from deployments.grpc_service import GrpcMethods
 from deployments.openai_api import build_openai_app
+
+log = logging.getLogger("ray.serve")
 
 
 class HetSpecServer(GrpcMethods):
@@ -26,10 +29,20 @@ class HetSpecServer(GrpcMethods):
 
     async def __init__(self, config: dict | AppConfig, make_pipeline: Callable[[AppConfig], Any] = ActorPipeline):
         config = AppConfig.model_validate(config)
+        self.args = config  # what a user_config overrides (each one anew: Serve's user_config is declarative)
         self.pipeline = make_pipeline(config)
         await self.pipeline.start()
         self.coordinator = Coordinator(config, self.pipeline.target, self.pipeline.drafter,
                                        self.pipeline.target_info, self.pipeline.drafter_info)
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's ``user_config`` (deployments/config.py, UserConfig): new speculation and limits for new
+        requests, the model actors untouched. Serve calls it at start and on a deploy that changes only the
+        user_config; raising ``InvalidUserConfig`` fails that replica's update with the message."""
+        config = with_user_config(self.args, user_config)
+        self.coordinator.reconfigure(config)
+        log.info("reconfigured: speculation %s; limits %s", config.speculation.model_dump(),
+                 config.limits.model_dump())
 
     async def check_health(self) -> None:
         """Serve's health check: a dead actor is replaced here; only a failed replacement makes us unhealthy."""
@@ -65,7 +78,7 @@ def deployment_options(config: AppConfig) -> dict:
     if replica.memory_bytes:
         actor_options["memory"] = replica.memory_bytes
     return {
-        "name": "HetSpecServer",
+        "name": SERVER_DEPLOYMENT,
         "ray_actor_options": actor_options,
         "placement_group_bundles": [replica.bundle(), config.drafter_resources.bundle(),
                                     config.target_resources.bundle()],
@@ -79,6 +92,9 @@ def deployment_options(config: AppConfig) -> dict:
         "health_check_timeout_s": config.lifecycle.health_check_timeout_s,
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": config.lifecycle.graceful_shutdown_wait_loop_s,
+        # Serve calls reconfigure only while a user_config is set: with {} as the code's own, a Serve config
+        # that drops its user_config reconfigures the replicas back to args instead of leaving the last one
+        "user_config": {},
     }
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from typing import Literal, Mapping
 
-from pydantic import ConfigDict, Field, SecretStr, SerializationInfo, field_serializer, field_validator, model_validator
+from pydantic import (ConfigDict, Field, SecretStr, SerializationInfo, ValidationError, field_serializer, field_validator,
+                      model_validator)
 
 from hetspec.config import ModelConfig, SpeculationConfig, StrictModel
 
@@ -232,3 +233,82 @@ class AppConfig(StrictModel):
             if model.device.startswith("cuda") and resources.num_gpus <= 0:
                 raise ValueError(f"{name}.device is {model.device} but {name}_resources.num_gpus is 0")
         return self
+
+
+# --- Serve's user_config: the settings a running replica takes without restarting ------------------------------
+
+# A replica applies these through HetSpecServer.reconfigure, for its new requests. Every other section loads,
+# sizes or places the model actors (models, dtypes, resources, placement, sessions) or is fixed when the
+# replica starts (CORS, auth, autoscaling, drain): it changes only by redeploying args, which restarts replicas.
+HOT_SECTIONS = ("speculation", "limits")
+# The deployment's name: where a Serve config puts its user_config (applications[].deployments[].name).
+SERVER_DEPLOYMENT = "HetSpecServer"
+
+
+class InvalidUserConfig(ValueError):
+    """A user_config the running replica cannot take; the message names the field and what to do instead."""
+
+    def __reduce__(self):  # raised in a replica, shown by the Serve controller
+        return InvalidUserConfig, (str(self),)
+
+
+class UserConfig(StrictModel):
+    """The ``user_config`` of the HetSpecServer deployment: overrides of the ``args`` sections a replica can
+    change in place. A field given replaces args' value, one left out keeps args' value; each is validated
+    by the same models as args (``with_user_config``)."""
+
+    speculation: dict[str, object] = Field(default_factory=dict, description=(
+        "Fields of args.speculation (SpeculationConfig) to override for new requests, e.g. {draft_tokens: 3}."))
+    limits: dict[str, object] = Field(default_factory=dict, description=(
+        "Fields of args.limits (LimitsConfig) to override for new requests; running and waiting requests keep "
+        "the limits they were admitted under."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _redeploy_sections(cls, value: object) -> object:
+        if isinstance(value, Mapping):
+            cold = [name for name in value if name in AppConfig.model_fields and name not in HOT_SECTIONS]
+            if cold:
+                raise ValueError(f"{cold[0]} cannot change on running replicas (only "
+                                 f"{' and '.join(HOT_SECTIONS)} can): change args.{cold[0]} and redeploy")
+        return value
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = "".join(f".{part}" for part in first["loc"])
+    message = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]  # no "Value error, "
+    return f"user_config{where}: {message}"
+
+
+def with_user_config(args: AppConfig, user_config: Mapping | None) -> AppConfig:
+    """``args`` with ``user_config``'s overrides, validated as a whole; ``InvalidUserConfig`` names the field.
+
+    Declarative: each user_config applies to args, not to the previous user_config, so a field removed from
+    it goes back to args' value."""
+    try:
+        overrides = UserConfig.model_validate(user_config or {})
+        merged = args.model_dump(mode="json", context={"reveal_secrets": True})
+        for section in HOT_SECTIONS:
+            merged[section] = {**merged[section], **getattr(overrides, section)}
+        config = AppConfig.model_validate(merged)
+    except ValidationError as error:
+        raise InvalidUserConfig(_first_error(error)) from None
+    _within_deployment_options(args.limits, config.limits, args.graceful_shutdown_timeout_s)
+    return config
+
+
+def _within_deployment_options(deployed: LimitsConfig, wanted: LimitsConfig, drain_s: float) -> None:
+    """Serve's options of the deployment were derived from args' limits (deployments/app.py) and only change
+    with a redeploy: a user_config must stay within them."""
+    slots, deployed_slots = (limits.max_running_requests + limits.max_waiting_requests
+                             for limits in (wanted, deployed))
+    if slots > deployed_slots:
+        raise InvalidUserConfig(
+            f"user_config.limits: max_running_requests + max_waiting_requests ({slots}) above args' "
+            f"({deployed_slots}) needs a redeploy: Serve's max_ongoing_requests is derived from args.limits")
+    timeout = wanted.request_timeout_s
+    if timeout is None or timeout > drain_s:
+        raise InvalidUserConfig(
+            f"user_config.limits.request_timeout_s ({timeout}) above the replicas' drain time ({drain_s} s, "
+            "lifecycle.graceful_shutdown_timeout_s) needs a redeploy: a replica being removed would cut requests")

@@ -140,6 +140,14 @@ class Coordinator:
         self.replica = uuid.uuid4().hex[:8]
         self.metrics = coordinator_metrics()
 
+    def reconfigure(self, config: AppConfig) -> None:
+        """Take ``config``'s speculation and limits for new requests: a prepared request holds its own
+        speculation and deadline, and admission keeps who runs and who waits (``Admission.resize``)."""
+        self.config = config
+        limits = config.limits
+        self.admission.resize(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s,
+                              limits.kv_cache_bytes)
+
     def prepare(self, request: GenerationRequest, request_id: str | None = None) -> Prepared:
         """Validate everything a client can get wrong, before any response is sent."""
         limits = self.config.limits

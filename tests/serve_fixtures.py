@@ -2,17 +2,12 @@
 
 Imported by tests/test_serve.py, tests/test_limits_serve.py and others (``from serve_fixtures import ...``). One
 app serves every test of a module so the two models load once: the coordinator, drafter and target bundles are STRICT_SPREAD over
-three nodes (custom resources name them), which is also what the placement test checks.
-
-Ray 2.60 turns token authentication on for a new local cluster and writes a token to ~/.ray/auth_token;
-the tests set RAY_AUTH_MODE=disabled instead (a private cluster bound to 127.0.0.1, nothing written
-under the home folder). See deployments/README.md, "Token authentication".
+three nodes (custom resources name them), which is also what the placement test checks. The private Ray
+instance itself is deployments/local_serve.py's, shared with tests/test_multinode.py and benchmarks/soak.py.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,18 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.client import wait_until_healthy
+from deployments.local_serve import local_serve
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_CONFIG = REPO / "deployments" / "config.small.yaml"
-NODE_RESOURCES = ({"node_head": 1.0}, {"node_a": 1.0}, {"node_b": 1.0})
+NODES = tuple({"num_cpus": 1, "resources": resources}
+              for resources in ({"node_head": 1.0}, {"node_a": 1.0}, {"node_b": 1.0}))
 NEW_TOKENS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def small_app_args(**overrides) -> dict:
@@ -99,43 +89,10 @@ class ServedApp:
 @contextmanager
 def serve_app(args: dict):
     """serve.run of build_app(args) on three simulated nodes (STRICT_SPREAD fits them); shut down afterwards."""
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-    from ray.serve.config import gRPCOptions
-
-    from deployments.app import build_app
-
-    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH", "HETSPEC_API_KEY")}
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    # Serve's gRPC proxy imports the stubs outside any runtime_env: the repo must be on every process's path.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved["PYTHONPATH"]]))
-    os.environ.pop("HETSPEC_API_KEY", None)  # a key in the developer's shell must not turn on the app's auth
-    metrics_ports = [free_port() for _ in NODE_RESOURCES]
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": NODE_RESOURCES[0],
-                                                            "metrics_export_port": metrics_ports[0]})
-    for resources, metrics_port in zip(NODE_RESOURCES[1:], metrics_ports[1:]):
-        cluster.add_node(num_cpus=1, resources=resources, metrics_export_port=metrics_port)
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)
-        http_port, grpc_port = free_port(), free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port},
-                    grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=grpc_servicer_functions()))
-        serve.run(build_app(args), name="hetspec", route_prefix="/", blocking=False)
-        wait_until_healthy(f"http://127.0.0.1:{http_port}", timeout_s=300, poll_s=0.5)
-        yield ServedApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", args, args["model_id"],
-                        tuple(f"http://127.0.0.1:{port}/metrics" for port in metrics_ports))
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    serve_config = yaml.safe_load(SMALL_CONFIG.read_text())
+    serve_config["applications"][0]["args"] = args
+    with local_serve(serve_config, NODES) as served:
+        yield ServedApp(served.http_url, served.grpc_target, args, args["model_id"], served.metrics_urls)
 
 
 @pytest.fixture(scope="module")

@@ -188,6 +188,12 @@ SERVE_BREAKAGES = {
     "misspelled hetspec top-level field": (APP + ("args", "drafter_resource"), {}, "drafter_resource"),
     "wrong hetspec type": (APP + ("args", "pipeline", "max_sessions"), "many", "hetspec AppConfig"),
     "hetspec value out of range": (APP + ("args", "target", "dtype"), "int4", "hetspec AppConfig"),
+    "user_config of a section that needs a redeploy": (
+        APP + ("deployments",), [{"name": "HetSpecServer", "user_config": {"target": {"model": "x"}}}],
+        "change args.target and redeploy"),
+    "user_config value out of range": (
+        APP + ("deployments",), [{"name": "HetSpecServer", "user_config": {"speculation": {"draft_tokens": 0}}}],
+        "user_config.speculation.draft_tokens"),
     "pip at pod start": (APP + ("runtime_env",), {"pip": ["hetspec"]}, "'pip' would install"),
     "code downloaded at pod start": (APP + ("runtime_env",), {"working_dir": "https://x/y.zip"}, "'working_dir'"),
 }

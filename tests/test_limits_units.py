@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from deployments.admission import Admission, Overloaded, RequestTimeout
 from deployments.app import CONTROL_SLOTS, deployment_options
 from deployments.auth import ApiKeys, Unauthenticated, bearer_token, grpc_api_key
-from deployments.config import AppConfig, AuthConfig
+from deployments.config import AppConfig, AuthConfig, InvalidUserConfig, with_user_config
 from deployments.openai_api import RequireApiKey
 
 SMALL_PAIR = {"target": {"model": "gemma3-270m"}, "drafter": {"model": "smollm2-135m"}}
@@ -152,6 +152,108 @@ class TestAdmission:
         asyncio.run(scenario())
 
 
+class TestAdmissionResize:
+    """Serve's reconfigure resizes admission in place: nobody running or waiting is lost."""
+
+    def test_a_lowered_cap_keeps_the_running_and_the_waiting_and_only_holds_back_newcomers(self):
+        async def scenario():
+            admission = Admission(max_running=2, max_waiting=2, retry_after_s=1)
+            running = [admission.admit(), admission.admit()]
+            waiting = [admission.admit(), admission.admit()]
+            admission.resize(max_running=1, max_waiting=1, retry_after_s=5, kv_budget=None)
+            assert (admission.running, admission.waiting) == (2, 2)
+            assert all(ticket.holds_slot for ticket in running)
+            with pytest.raises(Overloaded) as raised:  # the line is past its new length: no newcomer
+                admission.admit()
+            assert raised.value.retry_after_s == 5
+            running[0].release()  # 1 running: at the new cap, nobody moves up
+            assert (admission.running, admission.waiting) == (1, 2)
+            running[1].release()
+            await waiting[0].wait()
+            assert (admission.running, admission.waiting) == (1, 1) and not waiting[1].holds_slot
+
+        asyncio.run(scenario())
+
+    def test_a_raised_cap_lets_the_first_in_line_in_at_once(self):
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=2, retry_after_s=1)
+            admission.admit()
+            waiting = [admission.admit(), admission.admit()]
+            admission.resize(max_running=2, max_waiting=2, retry_after_s=1, kv_budget=None)
+            await waiting[0].wait()
+            assert (admission.running, admission.waiting, waiting[1].holds_slot) == (2, 1, False)
+
+        asyncio.run(scenario())
+
+    def test_a_waiter_above_a_lowered_kv_budget_still_runs_alone(self):
+        async def scenario():
+            admission = Admission(max_running=4, max_waiting=2, retry_after_s=1, kv_budget=1000)
+            first = admission.admit(800)
+            big = admission.admit(900)  # waits: 800 + 900 > 1000
+            admission.resize(max_running=4, max_waiting=2, retry_after_s=1, kv_budget=500)
+            with pytest.raises(Overloaded, match="kv_cache_bytes"):
+                admission.admit(600)  # a newcomer above the new budget is turned away
+            first.release()
+            await big.wait()  # admitted under the old budget: it runs, alone, instead of blocking the line
+            assert (admission.running, admission.kv_bytes) == (1, 900)
+            small = admission.admit(100)  # waits behind it: 900 + 100 > 500
+            assert not small.holds_slot
+            big.release()
+            await small.wait()
+
+        asyncio.run(scenario())
+
+    def test_invalid_sizes_are_refused(self):
+        admission = Admission(max_running=1, max_waiting=0, retry_after_s=1)
+        with pytest.raises(ValueError):
+            admission.resize(max_running=0, max_waiting=0, retry_after_s=1, kv_budget=None)
+        assert admission.max_running == 1
+
+
+class TestUserConfig:
+    ARGS = AppConfig.model_validate({**SMALL_PAIR, "speculation": {"draft_tokens": 4},
+                                     "limits": {"max_running_requests": 8, "max_waiting_requests": 8,
+                                                "request_timeout_s": 300}})
+
+    def test_overrides_apply_to_args_and_a_removed_field_goes_back_to_args(self):
+        changed = with_user_config(self.ARGS, {"speculation": {"draft_tokens": 2},
+                                               "limits": {"max_running_requests": 4, "kv_cache_bytes": 10**9}})
+        assert (changed.speculation.draft_tokens, changed.limits.max_running_requests) == (2, 4)
+        assert changed.limits.kv_cache_bytes == 10**9 and changed.limits.max_waiting_requests == 8  # args'
+        assert changed.target == self.ARGS.target and changed.pipeline == self.ARGS.pipeline
+        assert with_user_config(self.ARGS, {"speculation": {"draft_tokens": 2}}).limits == self.ARGS.limits
+        assert with_user_config(self.ARGS, None) == self.ARGS  # Serve's user_config removed: args again
+
+    @pytest.mark.parametrize("user_config, message", [
+        ({"speculation": {"draft_tokens": 0}}, "user_config.speculation.draft_tokens: Input should be greater"),
+        ({"limits": {"max_new_tokns": 8}}, "user_config.limits.max_new_tokns: Extra inputs"),
+        ({"limits": {"max_new_tokens": 8}}, "default_max_new_tokens (128) must not exceed max_new_tokens (8)"),
+        ({"speculation": {"algorithm": "sd", "tree_width": 2}}, "user_config.speculation.tree_width"),
+        ({"limits": {"max_running_requests": 17, "max_waiting_requests": 0}}, "pipeline.max_sessions (16)"),
+        ({"sampling": {}}, "user_config.sampling: Extra inputs"),
+    ])
+    def test_invalid_values_name_the_field(self, user_config, message):
+        with pytest.raises(InvalidUserConfig) as raised:
+            with_user_config(self.ARGS, user_config)
+        assert message in str(raised.value)
+
+    @pytest.mark.parametrize("section", ["target", "drafter", "pipeline", "target_resources", "autoscaling",
+                                         "auth", "lifecycle"])
+    def test_sections_that_change_the_actors_or_the_deployment_need_a_redeploy(self, section):
+        with pytest.raises(InvalidUserConfig, match=f"user_config: {section} cannot change on running replicas"
+                                                    f".*change args.{section} and redeploy"):
+            with_user_config(self.ARGS, {section: {}})
+
+    def test_limits_beyond_the_deployed_serve_options_need_a_redeploy(self):
+        with pytest.raises(InvalidUserConfig, match="max_ongoing_requests is derived from args.limits"):
+            with_user_config(self.ARGS, {"limits": {"max_waiting_requests": 9}})  # 8 + 9 > 8 + 8 slots
+        with_user_config(self.ARGS, {"limits": {"max_running_requests": 4, "max_waiting_requests": 12}})
+        with pytest.raises(InvalidUserConfig, match="request_timeout_s .* drain time"):
+            with_user_config(self.ARGS, {"limits": {"request_timeout_s": 311}})  # drain: 300 + 10 s
+        with pytest.raises(InvalidUserConfig, match="request_timeout_s"):
+            with_user_config(self.ARGS, {"limits": {"request_timeout_s": None}})
+
+
 class TestAuthConfig:
     def test_keys_are_masked_in_every_dump_but_the_replicas(self):
         config = AppConfig.model_validate({**SMALL_PAIR, "auth": {"api_keys": ["sk-one"], "api_key_env": None}})
@@ -192,6 +294,7 @@ class TestAuthConfig:
         assert options["max_ongoing_requests"] == 4 + 6 + CONTROL_SLOTS
         assert options["max_queued_requests"] == 9
         assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 2.5}
+        assert options["user_config"] == {}  # a Serve config dropping its user_config goes back to args
         assert Overloaded("full", config.limits.retry_after_s).retry_after_header == "3"
 
 

@@ -4,7 +4,8 @@ Three nodes (``ray.cluster_utils.Cluster``), each offering one custom "slot" res
 config deployed through the controller from its ``import_path`` and ``args`` (the path ``serve deploy``
 and KubeRay's ``serveConfigV2`` take): the coordinator replica lands on the head, the drafter and the
 target on nodes of their own (STRICT_SPREAD). The small pair in float32, so greedy output must equal the
-target's alone, token for token.
+target's alone, token for token. A deploy that changes only the deployment's ``user_config`` must change
+speculation and limits on the running replica, with the same model actors.
 
 Then the target's node is removed, as when a GPU machine dies: the requests in flight must end with a
 clear error (gRPC UNAVAILABLE, an SSE error event, both naming the target), the same coordinator replica
@@ -14,9 +15,8 @@ must succeed with the same tokens.
 
 from __future__ import annotations
 
+import copy
 import json
-import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ import httpx
 import pytest
 import yaml
 
+from deployments.local_serve import LocalServe, deploy, local_serve
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
@@ -45,18 +46,9 @@ STREAM_TIMEOUT_S = 120.0  # an in-flight stream silent this long has hung instea
 SMALL_ARGS = yaml.safe_load(SMALL_CONFIG.read_text())["applications"][0]["args"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def multinode_serve_config(http_port: int, grpc_port: int) -> dict:
-    """config.small.yaml with private ports, one proxy, and each pipeline member pinned to its slot."""
+def multinode_serve_config() -> dict:
+    """config.small.yaml with each pipeline member pinned to its slot (local_serve gives it private ports)."""
     config = yaml.safe_load(SMALL_CONFIG.read_text())
-    config["proxy_location"] = "HeadOnly"  # every simulated node has the same IP: one proxy only
-    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
-    config["grpc_options"]["port"] = grpc_port
     args = config["applications"][0]["args"]
     args["pipeline"]["placement_strategy"] = "STRICT_SPREAD"
     args["limits"]["default_max_new_tokens"] = NEW_TOKENS
@@ -67,10 +59,20 @@ def multinode_serve_config(http_port: int, grpc_port: int) -> dict:
 
 @dataclass
 class RunningCluster:
-    cluster: object  # ray.cluster_utils.Cluster
+    served: LocalServe
     nodes: dict = field(default_factory=dict)  # slot -> the node offering it
-    http_url: str = ""
-    grpc_target: str = ""
+
+    @property
+    def http_url(self) -> str:
+        return self.served.http_url
+
+    @property
+    def grpc_target(self) -> str:
+        return self.served.grpc_target
+
+    @property
+    def cluster(self):  # ray.cluster_utils.Cluster
+        return self.served.cluster
 
     def add_node(self, slot: str):
         node = self.cluster.add_node(num_cpus=1, resources={slot: 1.0})
@@ -79,78 +81,13 @@ class RunningCluster:
         return node
 
 
-def _wait_until_running(timeout_s: float) -> None:
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        application = serve.status().applications.get(APP_NAME)
-        if application is not None and application.status == "RUNNING":
-            return
-        if application is not None and application.status == "DEPLOY_FAILED":
-            raise AssertionError(f"deploy failed: {application.message}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{APP_NAME} not RUNNING after {timeout_s} s: {application}")
-        time.sleep(1.0)
-
-
-def _private_cluster(head_node_args: dict):
-    """A Cluster whose address is not left in /tmp/ray/ray_current_cluster.
-
-    Cluster publishes its address there, and any ``ray.init()`` (or ``serve.start``) on this machine
-    without an address then joins it: a test running at the same time would deploy into this cluster.
-    """
-    from ray._private.utils import get_ray_address_file
-    from ray.cluster_utils import Cluster
-
-    address_file = Path(get_ray_address_file(None))
-    previous = address_file.read_text() if address_file.exists() else None
-    cluster = Cluster(initialize_head=True, head_node_args=head_node_args)
-    if previous is None:
-        address_file.unlink(missing_ok=True)
-    else:
-        address_file.write_text(previous)
-    return cluster
-
-
 @pytest.fixture(scope="module")
 def running():
-    import ray
-    from ray.serve._private.api import serve_start
-    from ray.serve.config import gRPCOptions
-    from ray.serve.schema import ServeDeploySchema
-
-    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH")}
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # a private cluster on 127.0.0.1; no token file written
-    # Serve's gRPC proxy and the app builder import the repo outside any runtime_env (as the image does).
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved["PYTHONPATH"]]))
-    cluster = _private_cluster({"num_cpus": 1, "resources": {HEAD_SLOT: 1.0}})
-    state = RunningCluster(cluster, {HEAD_SLOT: cluster.head_node})
-    try:
-        state.add_node(DRAFTER_SLOT)
-        state.add_node(TARGET_SLOT)
-        ray.init(address=cluster.address, log_to_driver=False)
-        config = ServeDeploySchema.model_validate(multinode_serve_config(_free_port(), _free_port()))
-        client = serve_start(http_options=config.http_options.model_dump(), proxy_location=config.proxy_location,
-                             grpc_options=gRPCOptions(**config.grpc_options.model_dump()))
-        client.deploy_apps(config)
-        _wait_until_running(timeout_s=300)
-        state.http_url = f"http://127.0.0.1:{config.http_options.port}"
-        state.grpc_target = f"127.0.0.1:{config.grpc_options.port}"
-        yield state
-    finally:
-        from ray import serve
-
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    """The Serve config deployed through the controller (the path of ``serve deploy``), a node per slot."""
+    slots = (HEAD_SLOT, DRAFTER_SLOT, TARGET_SLOT)
+    nodes = [{"num_cpus": 1, "resources": {slot: 1.0}} for slot in slots]
+    with local_serve(multinode_serve_config(), nodes, declarative=True) as served:
+        yield RunningCluster(served, dict(zip(slots, served.nodes)))
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +133,49 @@ def test_pipeline_members_run_on_their_own_nodes(running):
 def test_greedy_tokens_equal_the_target_alone_over_grpc_and_http(running, reference, prompt):
     assert _grpc_tokens(running, prompt) == reference[prompt]
     assert _http_tokens(running, prompt) == reference[prompt]
+
+
+def _completion(running: RunningCluster, prompt: str, max_tokens: int) -> httpx.Response:
+    body = {"model": SMALL_ARGS["model_id"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(f"{running.http_url}/v1/completions", json=body, timeout=120)
+
+
+def _until_target_alone(running: RunningCluster, alone: bool, timeout_s: float = 120.0) -> None:
+    """Until a new request runs with algorithm ar (``alone``) or with speculation: a deploy returns before
+    the replica is reconfigured."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = _completion(running, PROMPTS[1], 2)
+        algorithm = response.json()["hetspec"]["stats"]["algorithm"] if response.status_code == 200 else None
+        if algorithm is not None and (algorithm == "ar") == alone:
+            return
+        assert time.monotonic() < deadline, f"algorithm still {algorithm}: {response.text[:300]}"
+        time.sleep(1.0)
+
+
+def _model_actor_ids() -> dict:
+    from ray import serve
+
+    handles = serve.get_app_handle(APP_NAME).actor_handles.remote().result(timeout_s=60)
+    return {role: handle._actor_id.hex() for role, handle in handles.items()}
+
+
+def test_a_user_config_changes_speculation_and_limits_without_reloading_the_models(running, reference):
+    replica, actors = _replica_id(running), _model_actor_ids()
+    changed = copy.deepcopy(running.served.serve_config)
+    changed["applications"][0]["deployments"] = [{"name": "HetSpecServer", "user_config": {
+        "speculation": {"algorithm": "ar"}, "limits": {"max_new_tokens": NEW_TOKENS, "default_max_new_tokens": 8}}}]
+    deploy(changed)  # only the user_config differs: Serve reconfigures the running replica
+    try:
+        _until_target_alone(running, True)
+        assert _http_tokens(running, PROMPTS[0]) == reference[PROMPTS[0]]  # the target alone: same tokens
+        too_long = _completion(running, PROMPTS[0], NEW_TOKENS + 1)
+        assert too_long.status_code == 400 and f"at most {NEW_TOKENS}" in too_long.text, too_long.text
+        assert (_replica_id(running), _model_actor_ids()) == (replica, actors), "the models were reloaded"
+    finally:
+        deploy(running.served.serve_config)  # the user_config removed: args' settings again
+    _until_target_alone(running, False)
+    assert (_replica_id(running), _model_actor_ids()) == (replica, actors)
 
 
 class InFlight:

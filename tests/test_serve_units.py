@@ -371,3 +371,54 @@ def test_app_config_rejects_more_running_requests_than_sessions():
     with pytest.raises(ValidationError, match="max_running_requests"):
         AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"max_sessions": 4},
                                   "limits": {"max_running_requests": 8}})
+
+
+class _NoActors:
+    """A pipeline without actors: the server's reconfigure must never need them."""
+
+    def __init__(self, target_info, drafter_info):
+        self.target = self.drafter = None
+        self.target_info, self.drafter_info = target_info, drafter_info
+
+    async def start(self) -> None:
+        pass
+
+
+def test_reconfigure_applies_to_new_requests_only_and_refuses_what_needs_a_redeploy(gemma, smollm):
+    """HetSpecServer.reconfigure (Serve's user_config) with the small pair's real tokenizers, no Ray."""
+    from deployments.app import HetSpecServer
+    from deployments.config import InvalidUserConfig
+    from deployments.coordinator import GenerationRequest
+    from deployments.workers import ModelInfo
+    from hetspec import SamplingParams
+    from serve_fixtures import small_app_args
+
+    infos = [ModelInfo(model.name, model.tokenizer, model.vocab_size, model.eos_token_ids) for model in (gemma, smollm)]
+    request = GenerationRequest(prompt="def fibonacci(n):", params=SamplingParams(max_new_tokens=8))
+
+    async def scenario():
+        server = object.__new__(HetSpecServer)  # its __init__ is async, as Serve runs it
+        await server.__init__(small_app_args(), lambda config: _NoActors(*infos))
+        coordinator = server.coordinator
+        before = coordinator.prepare(request)
+        running = coordinator.admit("http", before)
+        server.reconfigure({"speculation": {"draft_tokens": 2}, "limits": {"max_running_requests": 1,
+                                                                           "request_timeout_s": 30}})
+        after = coordinator.prepare(request)
+        assert (before.speculation.draft_tokens, after.speculation.draft_tokens) == (4, 2)
+        assert after.deadline < before.deadline  # 30 s from now against the 300 s the first one started with
+        assert running.holds_slot and coordinator.admission.max_running == 1
+        waiting = coordinator.admit("http", after)  # the lowered cap holds the newcomer back
+        assert not waiting.holds_slot
+        running.release()
+        await waiting.wait()
+        with pytest.raises(InvalidUserConfig, match="change args.drafter and redeploy"):
+            server.reconfigure({"drafter": {"model": "gemma3-270m"}})
+        with pytest.raises(InvalidUserConfig, match="user_config.speculation.draft_tokens"):
+            server.reconfigure({"speculation": {"draft_tokens": 99}})
+        assert coordinator.config.speculation.draft_tokens == 2  # a refused user_config changes nothing
+        server.reconfigure({})  # removed from the Serve config: args again
+        assert coordinator.prepare(request).speculation.draft_tokens == 4
+        assert coordinator.admission.max_running == 8
+
+    asyncio.run(scenario())

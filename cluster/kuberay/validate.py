@@ -216,7 +216,7 @@ def serve_config_errors(serve_config: Any) -> list[str]:
     from pydantic import ValidationError
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.config import AppConfig
+    from deployments.config import SERVER_DEPLOYMENT, AppConfig, InvalidUserConfig, with_user_config
 
     if not isinstance(serve_config, dict):
         return [f"serveConfigV2 must be a YAML mapping, got {type(serve_config).__name__}"]
@@ -231,9 +231,18 @@ def serve_config_errors(serve_config: Any) -> list[str]:
         where = f"serveConfigV2 applications[{index}].args"
         problems += [f"{where}.{problem}" for problem in unknown_keys(args, AppConfig)]
         try:
-            AppConfig.model_validate(args)
+            config = AppConfig.model_validate(args)
         except ValidationError as error:
             problems.append(f"{where} (hetspec AppConfig): {error}")
+            continue
+        # a user_config is only checked by the running replicas, whose update then fails: check it before
+        for dep_index, deployment in enumerate(app.get("deployments") or []):
+            if isinstance(deployment, dict) and deployment.get("name") == SERVER_DEPLOYMENT:
+                try:
+                    with_user_config(config, deployment.get("user_config"))
+                except InvalidUserConfig as error:
+                    problems.append(f"serveConfigV2 applications[{index}].deployments[{dep_index}] "
+                                    f"(hetspec user_config): {error}")
     return problems
 
 
