@@ -29,6 +29,7 @@ from hetspec.models import LanguageModel
 from deployments.admission import Admission, Overloaded, RequestTimeout, Ticket
 from deployments.auth import ApiKeys
 from deployments.config import AppConfig
+from deployments.load_adaptive import ReplicaLoadAdaptive
 from deployments.metrics import coordinator_metrics
 from deployments.pipeline import DecodeLoop, PipelineStats, Step, StepBatches, Worker, WorkerLost
 from deployments.sessions import SessionLimitReached
@@ -135,7 +136,10 @@ class Coordinator:
                                    limits.kv_cache_bytes, on_change=lambda: self._publish_load())
         self.kv_bytes_per_token = {"target": target_info.kv_bytes_per_token,
                                    "drafter": drafter_info.kv_bytes_per_token}
-        self.batches = StepBatches(config.pipeline.batch_wait_s)  # the requests' steps, batched per worker
+        # the draft length at this replica's load, for the requests with speculation.load_adaptive
+        self.load_adaptive = ReplicaLoadAdaptive()
+        # the requests' steps, batched per worker; their costs measured for load_adaptive
+        self.batches = StepBatches(config.pipeline.batch_wait_s, on_batch=self.load_adaptive.on_batch)
         self.api_keys = ApiKeys.from_config(config.auth)  # the environment of this replica's process
         self.replica = uuid.uuid4().hex[:8]
         self.metrics = coordinator_metrics()
@@ -261,7 +265,8 @@ class Coordinator:
             loop = DecodeLoop(request_id, algorithm, progress, list(prepared.target_prompt_ids), target, drafter,
                               prepared.pipelined, self.batches,
                               on_step=lambda step: self._record_step(algorithm.name, step),
-                              on_drafter_lost=lambda: self._drafter_lost(request_id))
+                              on_drafter_lost=lambda: self._drafter_lost(request_id),
+                              load_adaptive=self.load_adaptive if prepared.speculation.load_adaptive else None)
             async for event in _until(prepared.deadline, loop.run()):
                 if first_text_at is None and event.text:
                     first_text_at = time.perf_counter()

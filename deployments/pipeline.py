@@ -34,6 +34,7 @@ from hetspec.align import complete_utf8_length
 from hetspec.decoder import Progress
 from hetspec.output import Stats, StreamEvent
 
+from deployments.load_adaptive import ReplicaLoadAdaptive
 from deployments.workers import VerifyResult
 
 
@@ -125,8 +126,10 @@ class StepBatches:
 
     FREE, PENDING, IN_FLIGHT = "free", "pending", "in flight"
 
-    def __init__(self, max_wait_s: float) -> None:
+    def __init__(self, max_wait_s: float,
+                 on_batch: Callable[[str, list, list], None] = lambda method, items, outcomes: None) -> None:
         self.max_wait_s = max_wait_s
+        self.on_batch = on_batch  # (method, items, outcomes) of every batched call that came back
         self.states: dict[int, str] = {}  # by member id
         self._pending: dict[tuple[int, str], list] = {}  # (worker, method) -> [(member, item, future)]
         self._first_pending: dict[tuple[int, str], float] = {}
@@ -199,7 +202,7 @@ class StepBatches:
         except Exception as error:  # e.g. WorkerLost: the worker is being replaced
             sent = asyncio.get_running_loop().create_future()
             sent.set_exception(error)
-        asyncio.ensure_future(sent).add_done_callback(lambda done: self._distribute(entries, done))
+        asyncio.ensure_future(sent).add_done_callback(lambda done: self._distribute(key[1], entries, done))
 
     def _returned(self) -> None:
         """A member's call came back: the members it frees get ``max_wait_s`` from now to call again."""
@@ -208,9 +211,11 @@ class StepBatches:
             self._first_pending[key] = now
         self._send_ready()
 
-    def _distribute(self, entries: list, done: asyncio.Future) -> None:
+    def _distribute(self, method: str, entries: list, done: asyncio.Future) -> None:
         error = RuntimeError("the batched call was cancelled") if done.cancelled() else done.exception()
         outcomes = [error] * len(entries) if error is not None else done.result()
+        if error is None:
+            self.on_batch(method, [item for _, item, _, _ in entries], outcomes)
         for (member, _, result, _), outcome in zip(entries, outcomes):
             if member in self.states:
                 self.states[member] = self.FREE
@@ -233,8 +238,9 @@ class DecodeLoop:
     def __init__(self, request_id: str, algorithm: Algorithm, progress: Progress, target_ids: list[int],
                  target: Worker, drafter: Worker | None, pipelined: bool, batches: StepBatches,
                  on_step: Callable[[Step], None] = lambda step: None,
-                 on_drafter_lost: Callable[[], None] = lambda: None):
+                 on_drafter_lost: Callable[[], None] = lambda: None, load_adaptive: ReplicaLoadAdaptive | None = None):
         self.batches = batches
+        self.load_adaptive = load_adaptive  # the replica's choice of draft length at its load (None: the request's own)
         self.request_id = request_id
         self.algorithm = algorithm
         self.progress = progress
@@ -250,11 +256,15 @@ class DecodeLoop:
 
     async def run(self) -> AsyncIterator[StreamEvent]:
         self.batches.join(self)
+        if self.load_adaptive is not None:
+            self.load_adaptive.join(self.progress, lambda: self.progress.draft_length(self.drafter is not None))
         try:
             async for event in self._steps():
                 yield event
         finally:
             self.batches.leave(self)
+            if self.load_adaptive is not None:
+                self.load_adaptive.leave(self.progress)
 
     async def _steps(self) -> AsyncIterator[StreamEvent]:
         speculation: _Speculation | None = None
@@ -262,7 +272,8 @@ class DecodeLoop:
         while True:
             remaining = self.progress.params.max_new_tokens - self.progress.position
             committed = self.progress.committed
-            k = self.progress.draft_length(self.drafter is not None)
+            cap = self.load_adaptive.cap() if self.load_adaptive is not None else None
+            k = self.progress.draft_length(self.drafter is not None, cap)
             drafts = k > 0
             message, drafter_seconds, outcome = None, 0.0, None
             if speculation is not None:

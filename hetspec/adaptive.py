@@ -60,26 +60,28 @@ class LoadAdaptive:
         self.probing = 0
         self.chosen: list[tuple[int, int]] = []  # (batch size, k) per step, for the statistics
 
-    def choose(self, requests: list) -> dict[int, int]:
-        """Cap on each request's k for this step, by ``id(request)``; {} leaves the requests' own k."""
-        own = {id(request): request.draft_length(request.drafter is not None) for request in requests}
+    def choose(self, own: dict) -> int | None:
+        """This step's cap on every request's draft length; None leaves the requests' own.
+
+        ``own``: each request of the step (anything with ``stats`` and ``drafts``, a ``hetspec.decoder.Progress``)
+        -> the draft length it would take on its own (0: it does not draft now)."""
         largest = max(own.values(), default=0)
         if largest == 0:
-            return {}
+            return None
         self.probing += 1
         if self.target_cost is None or self.drafter_cost is None:
             k = largest if self.probing % 2 else 0
         elif self.probing % EXPLORE == 0:
             k = largest
         else:
-            k = max(range(largest + 1), key=lambda k: self._throughput(requests, own, k))
-        self.chosen.append((len(requests), k))
-        return {key: k for key in own}
+            k = max(range(largest + 1), key=lambda k: self._throughput(own, k))
+        self.chosen.append((len(own), k))
+        return k
 
-    def _throughput(self, requests: list, own: dict[int, int], k: int) -> float:
+    def _throughput(self, own: dict, k: int) -> float:
         tokens, committed, drafting = 0, 0.0, 0
-        for request in requests:
-            length = min(k, own[id(request)])
+        for request, own_k in own.items():
+            length = min(k, own_k)
             alpha = acceptance(request.stats.accepted_tokens, request.stats.drafted_tokens, request.drafts)
             committed += sum(alpha ** index for index in range(length + 1))
             tokens += 1 + length
@@ -88,16 +90,22 @@ class LoadAdaptive:
         drafter_seconds = k * (self.drafter_cost[0] + self.drafter_cost[1] * drafting) if drafting else 0.0
         return committed / max(target_seconds + drafter_seconds, 1e-9)
 
-    def record(self, requests: list, drafts: list, lengths: list[int], drafter_seconds: float,
-               target_seconds: float) -> None:
-        tokens = sum(1 + len(draft.tree or draft.candidates) for draft in drafts)
-        self.target_passes.append((tokens, target_seconds))
-        passes = max((draft.drafter_forwards for draft in drafts), default=0)
-        drafting = sum(k > 0 for k in lengths)
-        if passes and drafting:
-            self.drafter_passes.append((drafting, drafter_seconds / passes))
+    def record(self, drafts: list, lengths: list[int], drafter_seconds: float, target_seconds: float) -> None:
+        """One step of a batch: its drafts (one per request), the lengths they were given, both models' time."""
+        self.record_target(sum(1 + len(draft.tree or draft.candidates) for draft in drafts), target_seconds)
+        self.record_drafter(sum(k > 0 for k in lengths), max((draft.drafter_forwards for draft in drafts), default=0),
+                            drafter_seconds)
+
+    def record_target(self, tokens: int, seconds: float) -> None:
+        """A target pass that fed ``tokens`` (every row's candidates and its last committed token)."""
+        self.target_passes.append((tokens, seconds))
         self.target_cost = _fit(self.target_passes) or self.target_cost
-        if self.drafter_passes:
-            fitted = _fit(self.drafter_passes)
-            mean = sum(seconds for _, seconds in self.drafter_passes) / len(self.drafter_passes)
-            self.drafter_cost = fitted or self.drafter_cost or (mean, 0.0)
+
+    def record_drafter(self, rows: int, passes: int, seconds: float) -> None:
+        """``passes`` drafter passes, ``rows`` requests drafting in each, ``seconds`` in all."""
+        if not (passes and rows):
+            return
+        self.drafter_passes.append((rows, seconds / passes))
+        fitted = _fit(self.drafter_passes)
+        mean = sum(seconds for _, seconds in self.drafter_passes) / len(self.drafter_passes)
+        self.drafter_cost = fitted or self.drafter_cost or (mean, 0.0)

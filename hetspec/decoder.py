@@ -244,8 +244,9 @@ class BatchDecoder:
         if not self.running:
             return []
         running = list(self.running)
-        caps = self.adaptive.choose(running) if self.adaptive else {}
-        lengths = [request.draft_length(request.drafter is not None, caps.get(id(request))) for request in running]
+        cap = self.adaptive.choose({request: request.draft_length(request.drafter is not None) for request in running}) \
+            if self.adaptive else None
+        lengths = [request.draft_length(request.drafter is not None, cap) for request in running]
         drafting = [index for index, k in enumerate(lengths) if k > 0]
         drafts = [Draft() for _ in running]
         tick = time.perf_counter()
@@ -258,7 +259,7 @@ class BatchDecoder:
         committed = run_lockstep(self.target, [request.verify(draft) for request, draft in zip(running, drafts)])
         target_seconds = time.perf_counter() - tick
         if self.adaptive:
-            self.adaptive.record(running, drafts, lengths, drafter_seconds, target_seconds)
+            self.adaptive.record(drafts, lengths, drafter_seconds, target_seconds)
         events = []
         for index, (request, draft, new_ids) in enumerate(zip(running, drafts, committed)):
             request.stats.drafter_seconds += drafter_seconds if index in drafting else 0.0

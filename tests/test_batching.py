@@ -211,14 +211,11 @@ def test_batched_sampling_equals_batch_one_seed_for_seed_on_synthetic_models():
 
 
 class _Waiting:
-    """What the load-adaptive policy reads of a request: its statistics, draft rounds and own draft length."""
+    """What the load-adaptive policy reads of a request: its statistics and draft rounds."""
 
     def __init__(self, accepted: int, drafted: int, drafts: int, own_k: int = 5):
         self.stats = SimpleNamespace(accepted_tokens=accepted, drafted_tokens=drafted)
-        self.drafts, self.own_k, self.drafter = drafts, own_k, object()
-
-    def draft_length(self, can_draft: bool, cap: int | None = None) -> int:
-        return self.own_k if cap is None else min(cap, self.own_k)
+        self.drafts, self.own_k = drafts, own_k
 
 
 def test_acceptance_inverts_the_expected_accepted_tokens():
@@ -233,12 +230,13 @@ def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear(
     cheap.target_cost, cheap.drafter_cost = (0.6, 0.01), (0.03, 0.002)  # memory-bound: 48 tokens ~ 1.8x one
     dear.target_cost, dear.drafter_cost = (0.1, 0.13), (0.03, 0.002)  # compute-bound (bf16 on an AVX2 CPU)
     cheap.probing = dear.probing = 1  # past the probes, not an exploring step
-    (chosen,) = set(cheap.choose(requests).values())
-    assert 2 <= chosen <= 5  # the expected-throughput optimum, not the largest k
-    assert set(dear.choose(requests).values()) == {0}
+    own = {request: request.own_k for request in requests}
+    assert 2 <= cheap.choose(own) <= 5  # the expected-throughput optimum, not the largest k
+    assert dear.choose(own) == 0
     explorer = LoadAdaptive()
     explorer.target_cost, explorer.drafter_cost, explorer.probing = dear.target_cost, dear.drafter_cost, EXPLORE - 1
-    assert set(explorer.choose(requests).values()) == {5}, "every EXPLORE-th step measures k again"
+    assert explorer.choose(own) == 5, "every EXPLORE-th step measures k again"
+    assert explorer.choose({request: 0 for request in requests}) is None  # nobody drafts: nothing to choose
 
 
 def _greedy(model, prompt_ids: list[int], new_tokens: int, fail_after: int | None = None):

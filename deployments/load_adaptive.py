@@ -1,0 +1,43 @@
+"""The library's load-adaptive draft length (``hetspec.adaptive.LoadAdaptive``) for one replica's requests.
+
+In process, one ``BatchDecoder`` step chooses the draft length of every request of the step at once. A replica's
+requests run their steps on their own tasks, kept in step by ``StepBatches`` (deployments/pipeline.py), so here
+each request asks for the cap as it starts a step, over the replica's running requests as they stand then; the
+policy is the library's, unchanged. The pass costs are measured from the batched calls ``StepBatches`` sends: a
+``verify_many`` call is one target pass over every request in it, a ``draft_many`` call of k positions k drafter
+passes. It changes which tokens are drafted, never which are output.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from hetspec.adaptive import LoadAdaptive
+
+
+class ReplicaLoadAdaptive:
+    def __init__(self) -> None:
+        self.policy = LoadAdaptive()
+        self.running: dict[Any, Callable[[], int]] = {}  # a request's Progress -> its own draft length now
+
+    def join(self, progress: Any, own_length: Callable[[], int]) -> None:
+        self.running[progress] = own_length
+
+    def leave(self, progress: Any) -> None:
+        self.running.pop(progress, None)
+
+    def cap(self) -> int | None:
+        """The cap on this step's draft length (None: the request's own), chosen over the running requests."""
+        return self.policy.choose({progress: own_length() for progress, own_length in self.running.items()})
+
+    def on_batch(self, method: str, items: list[tuple], outcomes: list[Any]) -> None:
+        """A batched call came back (``StepBatches``): its items and per item the result or exception."""
+        done = [(item, outcome) for item, outcome in zip(items, outcomes) if not isinstance(outcome, BaseException)]
+        if not done:
+            return
+        if method == "verify_many":  # items: (request_id, draft); every row feeds its candidates and one id
+            tokens = sum(1 + len(draft.tree or draft.candidates) for (_, draft), _ in done)
+            self.policy.record_target(tokens, done[0][1].seconds)
+        elif method == "draft_many":  # outcomes: Draft, each with the call's drafter time
+            passes = max(draft.drafter_forwards for _, draft in done)
+            self.policy.record_drafter(len(done), passes, done[0][1].seconds)

@@ -1,0 +1,87 @@
+"""The load-adaptive draft length in the server (deployments/load_adaptive.py): measured from the batched calls,
+chosen over the replica's running requests, and lossless (a coordinator on real workers in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hetspec import Engine, SamplingParams, SpeculationConfig
+from hetspec.algorithms import Draft
+
+from deployments.load_adaptive import ReplicaLoadAdaptive
+from deployments.workers import VerifyResult
+from serve_fixtures import small_app_args
+
+PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUNT(*) FROM users WHERE",
+           "Once upon a time"]
+NEW_TOKENS = 14
+
+
+class _Request:
+    """What the policy reads of a request: statistics and draft rounds (an accepted half of each draft)."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.stats = SimpleNamespace(accepted_tokens=10, drafted_tokens=25)
+        self.drafts = 5
+
+
+def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_drafting():
+    adaptive = ReplicaLoadAdaptive()
+    requests = [_Request() for _ in range(8)]
+    for request in requests:
+        adaptive.join(request, lambda: 5)
+    # verify batches of 8 rows: 8 tokens fed (no drafts) cost 0.2 s, 48 tokens (k = 5) 5.4 s: compute-bound
+    for drafted, seconds in ((0, 0.2), (5, 5.4), (0, 0.2), (5, 5.4)):
+        items = [(str(index), Draft(candidates=[1] * drafted)) for index in range(8)]
+        adaptive.on_batch("verify_many", items, [VerifyResult([1], seconds)] * 8)
+    for rows, seconds in ((8, 0.5), (2, 0.3)):  # draft_many of 5 positions
+        items = [(str(index), b"", 5, 0, 0) for index in range(rows)]
+        adaptive.on_batch("draft_many", items, [Draft(candidates=[1] * 5, drafter_forwards=5, seconds=seconds)] * rows)
+    assert adaptive.policy.target_cost[1] > 0.1 and adaptive.policy.drafter_cost is not None
+    adaptive.policy.probing = 1  # past the probes, not an exploring step
+    assert adaptive.cap() == 0
+    adaptive.on_batch("verify_many", [("x", Draft())], [RuntimeError("failed")])  # a failed call measures nothing
+    assert len(adaptive.policy.target_passes) == 4
+    for request in requests:
+        adaptive.leave(request)
+    assert adaptive.cap() is None  # nobody running
+
+
+def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm):
+    from deployments.config import AppConfig
+    from deployments.coordinator import Coordinator, GenerationRequest
+    from deployments.pipeline import LocalWorker
+    from deployments.workers import DrafterWorker, TargetWorker
+
+    config = AppConfig.model_validate(small_app_args(speculation={"algorithm": "slem", "load_adaptive": True}))
+    target_worker = TargetWorker(gemma, config.pipeline)
+    drafter_worker = DrafterWorker(smollm, config.pipeline)
+    drafter_worker.attach_target(target_worker.info())
+    coordinator = Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
+                              drafter_worker.info())
+    requests = [GenerationRequest(prompt=prompt, algorithm=algorithm, pipelined=False,
+                                  params=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+                for prompt, algorithm in zip(PROMPTS, ["slem", "tli", "slem", "slrs"])]
+
+    async def run(request):
+        events = [event async for event in coordinator.run(coordinator.prepare(request), "test")]
+        return [token for event in events for token in event.token_ids], events[-1].stats
+
+    async def all_at_once():
+        return await asyncio.gather(*(run(request) for request in requests))
+
+    served = asyncio.run(all_at_once())
+    engine = Engine(gemma, smollm)
+    for prompt, (token_ids, stats) in zip(PROMPTS, served):
+        alone = engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
+                                speculation=SpeculationConfig(algorithm="ar"))
+        assert token_ids == alone.token_ids, prompt
+    policy = coordinator.load_adaptive.policy
+    assert policy.target_passes and policy.chosen, "the policy was asked and measured the passes"
+    assert {k for _, k in policy.chosen} >= {0}, "it probed k = 0 (plain batched decoding)"
+    assert any(stats.drafted_tokens for _, stats in served)
+    time.sleep(0.2)  # closes are fire and forget
+    assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not coordinator.load_adaptive.running
