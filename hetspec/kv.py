@@ -379,11 +379,17 @@ class _Lockstep:
             done(key, None, error)
 
     def run_pass(self, done: Callable[[Any, Any, BaseException | None], None]) -> None:
-        """Feed the waiting computations: the short feeds in one pass, each long feed (a prompt) in its own,
-        since left padding would widen every other row of the pass to its length."""
+        """Feed the waiting computations: the short feeds in one pass, then the long feed (a prompt's chunk) of
+        the computation that came first, in a pass of its own, since left padding would widen every other row
+        of the pass to its length. One long feed a round, first come first served: the first prompt is done
+        (and its request decodes) before the next starts, instead of every prompt finishing in the last round;
+        the others' decoding goes on between the chunks either way."""
         short = [key for key in self.waiting if len(self.waiting[key][1].token_ids) <= ALONE_ABOVE_TOKENS]
         groups = [short] if short else []
-        groups += [[key] for key in self.waiting if len(self.waiting[key][1].token_ids) > ALONE_ABOVE_TOKENS]
+        # dict order is arrival order: a computation keeps its place while it waits again
+        first_long = next((key for key in self.waiting if len(self.waiting[key][1].token_ids) > ALONE_ABOVE_TOKENS),
+                          None)
+        groups += [[first_long]] if first_long is not None else []
         for keys in groups:
             self.passes += 1
             self.rows += len(keys)

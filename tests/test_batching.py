@@ -23,7 +23,7 @@ from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.adaptive import EXPLORE, LoadAdaptive, acceptance
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
-from hetspec.kv import Feed, SharedPasses, forward, prefill, run_alone
+from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
 
 TIE_MARGIN = 1e-4
 
@@ -281,6 +281,36 @@ def test_shared_passes_batch_calls_from_many_threads_and_equal_each_alone():
     own_passes = sum(6 + -(-(len(prompt) - 1) // 8) for prompt in prompts)
     assert shared.passes < own_passes and shared.rows > shared.passes  # passes were shared
     assert model.kv_pool.taken == set() and model.kv_pool.reserved_bytes == 0  # every row back, memory freed
+
+
+def test_long_prompts_are_prefilled_first_come_first_served_between_the_others_passes():
+    """Each round feeds the short feeds and the first-come long one: a prompt's chunks all run before the next
+    prompt's first, while a decoding request gets a pass every round."""
+    model = language_model("target", target_tokenizer(), seed=0)
+    fed: list[str] = []  # who got logits, in pass order
+
+    def prompt(name: str, length: int) -> Steps:
+        session = model.new_session()
+        try:
+            while session.length < length:
+                yield Feed(session, [1] * min(40, length - session.length), 1)  # 40 > ALONE_ABOVE_TOKENS
+                fed.append(name)
+        finally:
+            session.release()
+
+    def decode(name: str, passes: int) -> Steps:
+        session = model.new_session()
+        try:
+            for _ in range(passes):
+                yield Feed(session, [2], 1)
+                fed.append(name)
+        finally:
+            session.release()
+
+    run_lockstep(model, [prompt("a", 120), prompt("b", 80), decode("d", 5)])
+    long_passes = [name for name in fed if name != "d"]
+    assert long_passes == ["a", "a", "a", "b", "b"], fed  # first come first served, one chunk a pass
+    assert fed[:2] == ["d", "a"] and fed.count("d") == 5 and fed.index("b") > fed.index("d", 2)
 
 
 def test_unseeded_sampling_draws_a_fresh_seed_that_reproduces_the_sample():
