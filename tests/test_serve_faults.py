@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -30,8 +32,17 @@ GRPC_METADATA = (("application", APP),)  # the module deploys a second app: name
 PROMPT = "def fibonacci(n):\n"
 NEW_TOKENS = 24  # long enough that a kill after the first event lands mid-request
 LONG_TOKENS = 200  # a request still running when the client goes away
+LONG_NEW_TOKENS = 48  # several requests decoding together when an actor is killed
 CANCEL_DEADLINE_S = 1.0  # the issue's bound: both actors' sessions freed within a second of the cancel
 RECOVERY_DEADLINE_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def long_reference(gemma):
+    """The target alone, greedy, for the batched kill tests: long enough that a kill after each request's first
+    event lands while all of them decode."""
+    return Engine(gemma).generate(PROMPT, SamplingParams(max_new_tokens=LONG_NEW_TOKENS, ignore_eos=True),
+                                  speculation=SpeculationConfig(algorithm="ar")).token_ids
 
 
 @pytest.fixture(scope="module")
@@ -213,55 +224,91 @@ def _wait_until_healthy(served_app, timeout_s: float = RECOVERY_DEADLINE_S) -> N
         time.sleep(0.5)
 
 
-def test_drafter_killed_mid_request_the_target_finishes_it_alone(served_app, grpc_stub, reference):  # noqa: F811
+BATCH = 3  # requests in flight together when an actor is killed: their steps share the actors' passes
+
+
+def _streams_in_flight(start_stream, on_all_started) -> list:
+    """``BATCH`` streams run at once (``start_stream()`` gives an iterable of events); once each has its first
+    event, ``on_all_started()`` runs (the kill) while all are mid-request. Per stream: its events, or the error
+    that ended it."""
+    started = threading.Barrier(BATCH + 1)
+
+    def consume():
+        events = []
+        try:
+            for event in start_stream():
+                events.append(event)
+                if len(events) == 1:
+                    started.wait(timeout=120)
+        except Exception as error:  # noqa: BLE001 -- handed back to the test
+            return error
+        return events
+
+    with ThreadPoolExecutor(BATCH) as pool:
+        futures = [pool.submit(consume) for _ in range(BATCH)]
+        started.wait(timeout=120)
+        on_all_started()
+        return [future.result(timeout=300) for future in futures]
+
+
+def test_drafter_killed_mid_batch_every_request_finishes_target_alone(served_app, grpc_stub, long_reference):  # noqa: F811
     import ray
 
     drafter_before = _stats(served_app)["drafter"]["actor"]
-    drafter = _actor_handles()["drafter"]  # fetched first: the kill must land while the request runs
-    body = {"model": served_app.model_id, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
+    drafter = _actor_handles()["drafter"]  # fetched first: the kill must land while the requests run
+    passes_before = _stats(served_app)["target"]["forward_passes"]
+    body = {"model": served_app.model_id, "prompt": PROMPT, "max_tokens": LONG_NEW_TOKENS, "temperature": 0,
             "stream": True, "hetspec": {"ignore_eos": True}}
-    events = []
-    with httpx.stream("POST", f"{served_app.http_url}/v1/completions", json=body, timeout=120) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[len("data: "):]))
-                if len(events) == 1:
-                    ray.kill(drafter)
-    assert not [event for event in events if "error" in event], events[-1]
-    assert [token for event in events for token in event["hetspec"]["token_ids"]] == reference
-    stats = events[-1]["hetspec"]["stats"]
-    assert stats["drafter_lost"] is True and events[-1]["choices"][0]["finish_reason"] == "length"
+
+    def stream():
+        with httpx.stream("POST", f"{served_app.http_url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[len("data: "):])
+
+    outcomes = _streams_in_flight(stream, lambda: ray.kill(drafter))
+    for events in outcomes:
+        assert isinstance(events, list) and not [event for event in events if "error" in event], events
+        assert [token for event in events for token in event["hetspec"]["token_ids"]] == long_reference
+        stats = events[-1]["hetspec"]["stats"]
+        assert stats["drafter_lost"] is True and events[-1]["choices"][0]["finish_reason"] == "length"
+    # the three were in step: far fewer target passes than their own passes summed
+    own_passes = sum(events[-1]["hetspec"]["stats"]["target_forwards"] for events in outcomes)
+    assert _stats(served_app)["target"]["forward_passes"] - passes_before < own_passes
     # the pipeline gets a new drafter, and speculation resumes with it
     _wait_until_healthy(served_app)
     response = grpc_stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0),
                                   metadata=GRPC_METADATA, timeout=120)
     if len(response.token_ids) == NEW_TOKENS:  # no EOS within NEW_TOKENS: comparable with the reference
-        assert list(response.token_ids) == reference
+        assert list(response.token_ids) == long_reference[:NEW_TOKENS]
     assert not response.stats.drafter_lost and response.stats.drafted_tokens > 0
     after = _stats(served_app)
     assert after["drafter"]["actor"] != drafter_before and after["drafter"]["active_sessions"] == 0
 
 
-def test_target_killed_mid_request_is_unavailable_then_recovers(served_app, grpc_stub, reference):  # noqa: F811
+def test_target_killed_mid_batch_every_request_is_unavailable_then_recovers(served_app, grpc_stub,  # noqa: F811
+                                                                            long_reference):
     import ray
 
     target = _actor_handles()["target"]
-    call = grpc_stub.GenerateStream(_long_request(), metadata=GRPC_METADATA, timeout=120)
-    next(call)
-    ray.kill(target)
-    with pytest.raises(grpc.RpcError) as failure:
-        for _ in call:
-            pass
-    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE and "target" in failure.value.details()
+    outcomes = _streams_in_flight(
+        lambda: grpc_stub.GenerateStream(_long_request(), metadata=GRPC_METADATA, timeout=120),
+        lambda: ray.kill(target))
+    for outcome in outcomes:  # every request of the batch is told, naming the target
+        assert isinstance(outcome, grpc.RpcError), outcome
+        assert outcome.code() == grpc.StatusCode.UNAVAILABLE and "target" in outcome.details()
     # while the target is being replaced, new requests are told so at once
     body = {"model": served_app.model_id, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     response = httpx.post(f"{served_app.http_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 503 and "target" in response.json()["error"]["message"], response.text
     _wait_until_healthy(served_app)
-    body["max_tokens"], body["hetspec"] = NEW_TOKENS, {"ignore_eos": True}
-    response = httpx.post(f"{served_app.http_url}/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    assert response.json()["hetspec"]["token_ids"] == reference
+    body["max_tokens"], body["hetspec"] = LONG_NEW_TOKENS, {"ignore_eos": True}
+    with ThreadPoolExecutor(BATCH) as pool:  # a batch again, on the new target: the target's own output
+        responses = list(pool.map(lambda _: httpx.post(f"{served_app.http_url}/v1/completions", json=body,
+                                                       timeout=120), range(BATCH)))
+    for response in responses:
+        assert response.status_code == 200, response.text
+        assert response.json()["hetspec"]["token_ids"] == long_reference
     _wait_for_sessions(served_app, (0, 0))
 
 
