@@ -84,18 +84,19 @@ class RequireApiKey:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """A stream that gives its admission back even if the body never starts (client gone before it)."""
+    """A stream that gives its admissions back even if the body never starts (client gone before it)."""
 
-    def __init__(self, content, ticket: Ticket, **options):
+    def __init__(self, content, tickets: list[Ticket], **options):
         super().__init__(content, **options)
-        self.ticket = ticket
+        self.tickets = tickets
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # no-op if it ran to the end; else frees what it holds
-            self.ticket.release()  # no-op if the stream ran (the coordinator released it)
+            for ticket in self.tickets:
+                ticket.release()  # no-op if the stream ran (the coordinator released it)
 
 
 async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -122,8 +123,9 @@ def _check_model(coordinator: Coordinator, model: str | None) -> None:
 
 
 def _prepare(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest,
-             request_id: str | None) -> list[Prepared]:
-    """The request's runs: one per choice, or one greedy run whose output every choice copies."""
+             request_id: str) -> list[Prepared]:
+    """The request's runs: one per choice (request ids ``<request_id>-<index>``), or one greedy run whose
+    output every choice copies."""
     _check_model(coordinator, body.model)
     try:
         generation = body.to_generation(coordinator.config.limits.default_max_new_tokens)
@@ -132,8 +134,7 @@ def _prepare(coordinator: Coordinator, body: CompletionRequest | ChatCompletionR
     runs = 1 if generation.params.greedy else body.choices
     if runs == 1:
         return [coordinator.prepare(generation, request_id)]
-    base = request_id or uuid.uuid4().hex
-    return [coordinator.prepare(_choice(generation, index), f"{base}-{index}") for index in range(runs)]
+    return [coordinator.prepare(_choice(generation, index), f"{request_id}-{index}") for index in range(runs)]
 
 
 def _choice(generation: GenerationRequest, index: int) -> GenerationRequest:
@@ -170,11 +171,11 @@ def _failure(error: Exception) -> JSONResponse:
 
 
 async def _respond(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest, chat: bool):
+    request_id = serve_request_id() or uuid.uuid4().hex
     try:
-        runs = _prepare(coordinator, body, serve_request_id())
+        runs = _prepare(coordinator, body, request_id)
     except InvalidRequest as error:
         return _invalid(error)
-    request_id = runs[0].request_id.removesuffix("-0")
     echo = body.prompt_text if not chat and body.echo else ""
     writer = ResponseWriter(chat, coordinator.config.model_id, request_id, body.choices,
                             TokenStrings(coordinator.maps.target_table, coordinator.target_model.tokenizer), echo)
