@@ -88,12 +88,16 @@ class Ticket:
             self.release()
             return
 
+        admission = self._admission
+        admission.closing += 1
+
         async def release_when_closed() -> None:
             try:
                 await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), CLOSE_WAIT_S)
             except TimeoutError:
                 pass
             finally:
+                admission.closing -= 1
                 self.release()
 
         # a task of its own: the request's task may be being cancelled, this must still run
@@ -131,6 +135,10 @@ class Admission:
         self.running = 0  # slots held (tickets admitted, or handed a slot and not yet released)
         self.kv_bytes = 0  # KV bytes the running requests count on
         self.rejected = 0  # requests turned away since start
+        # Slots of requests that have ended but whose sessions are still closing. Serve's router counts such a
+        # request gone already and may send the next one (max_ongoing_requests = running + waiting): the line
+        # takes one more per closing slot, so what Serve sends is never turned away for it.
+        self.closing = 0
         self._line: deque[Ticket] = deque()
         self._releasing: set[asyncio.Task] = set()
 
@@ -168,7 +176,7 @@ class Admission:
             self.kv_bytes += kv_bytes
             self.on_change()
             return Ticket(self, None, kv_bytes)
-        if len(self._line) >= self.max_waiting:
+        if len(self._line) >= self.max_waiting + self.closing:
             self.rejected += 1
             raise Overloaded(f"server busy: {self.running} requests running (limits.max_running_requests) "
                              f"holding {self.kv_bytes} bytes of KV cache (limits.kv_cache_bytes) and "

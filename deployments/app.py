@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 from deployments.actors import ActorPipeline
-from deployments.config import SERVER_DEPLOYMENT, AppConfig, with_user_config
+from deployments.config import SERVER_DEPLOYMENT, AppConfig, AutoscalingConfig, LimitsConfig, with_user_config
 from deployments.coordinator import Coordinator
 from deployments.grpc_service import GrpcMethods
 from deployments.openai_api import build_openai_app
@@ -59,17 +59,32 @@ class HetSpecServer(GrpcMethods):
         return {"target": self.pipeline.target.handle, "drafter": self.pipeline.drafter.handle}
 
 
-# Replica slots beyond the generation requests' (running + waiting): /health, /v1/models and /v1/stats get in
-# while the replica is full, and a request past the limits reaches the replica to be told so (429 + Retry-After).
-CONTROL_SLOTS = 8
+def replica_capacity(limits: LimitsConfig) -> int:
+    """Requests one replica's admission takes (running + waiting), hence Serve's ``max_ongoing_requests``.
+
+    Why equal, not above: Serve's router sends a request only to a replica with fewer ongoing requests than
+    this and holds the rest in its own queue (``max_queued_requests``, answered 429 with Retry-After beyond),
+    choosing between replicas by their ongoing counts. Above it, the router would count room that the
+    replica's admission refuses, and with two replicas one would answer 429 while the other had free
+    slots. The price: /health and /v1/stats count as ongoing too, so on a full replica they wait in Serve's
+    queue for a slot (Serve's own health checks and /-/healthz do not), and a generation may wait there for
+    the milliseconds a stats call holds a slot. The replica's admission still answers what Serve cannot see:
+    a request above the KV budget, a lowered user_config limit (docs/deploy.md, "Routing")."""
+    return limits.max_running_requests + limits.max_waiting_requests
+
+
+def autoscaling_options(scaling: AutoscalingConfig) -> dict:
+    """Serve's ``autoscaling_config``: Serve's default policy on ongoing requests per replica."""
+    return scaling.model_dump(include={"min_replicas", "max_replicas", "target_ongoing_requests",
+                                       "upscale_delay_s", "downscale_delay_s", "look_back_period_s"})
 
 
 def deployment_options(config: AppConfig) -> dict:
     """Serve options of the deployment.
 
-    ``max_ongoing_requests`` is above what the replica's own admission lets run or wait, so the replica
-    decides (with an OpenAI error body and a Retry-After header); Serve's ``max_queued_requests`` bounds what
-    each proxy holds when every replica is full or still starting, answered 429 with Retry-After too.
+    ``max_ongoing_requests`` is what the replica's admission takes (``replica_capacity``), so Serve's router
+    never sends a replica more than it admits; Serve's ``max_queued_requests`` bounds what each proxy holds
+    when every replica is full or still starting, answered 429 with Retry-After.
     """
     scaling, limits = config.autoscaling, config.limits
     replica = config.coordinator_resources
@@ -83,11 +98,10 @@ def deployment_options(config: AppConfig) -> dict:
         "placement_group_bundles": [replica.bundle(), config.drafter_resources.bundle(),
                                     config.target_resources.bundle()],
         "placement_group_strategy": config.pipeline.placement_strategy,
-        "max_ongoing_requests": limits.max_running_requests + limits.max_waiting_requests + CONTROL_SLOTS,
+        "max_ongoing_requests": replica_capacity(limits),
         "max_queued_requests": scaling.max_queued_requests,
         "backpressure_config": {"status_code": 429, "retry_after_s": limits.retry_after_s},
-        "autoscaling_config": {"min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
-                               "target_ongoing_requests": scaling.target_ongoing_requests},
+        "autoscaling_config": autoscaling_options(scaling),
         "health_check_period_s": config.lifecycle.health_check_period_s,
         "health_check_timeout_s": config.lifecycle.health_check_timeout_s,
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,

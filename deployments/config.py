@@ -86,7 +86,18 @@ class AutoscalingConfig(StrictModel):
     min_replicas: int = Field(1, ge=0, description="Fewest coordinator replicas (each one a whole pipeline).")
     max_replicas: int = Field(1, ge=1, description="Most coordinator replicas (each one a whole pipeline).")
     target_ongoing_requests: float = Field(4.0, gt=0.0, description=(
-        "Ongoing requests per replica the autoscaler aims for."))
+        "Ongoing requests per replica (running, waiting in its line, or held for it in Serve's queue) the "
+        "autoscaler aims for: Serve runs ceil(total ongoing / this) replicas. Set it near what one replica "
+        "decodes at full speed (limits.max_running_requests or below), docs/deploy.md 'Autoscaling signal'."))
+    upscale_delay_s: float = Field(30.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "How long the load must call for more replicas before Serve adds one (Serve's default: 30 s). A new "
+        "replica loads two models, so a short burst is better absorbed by the replicas' lines."))
+    downscale_delay_s: float = Field(600.0, ge=0.0, le=86400.0, allow_inf_nan=False, description=(
+        "How long the load must call for fewer replicas before Serve removes one (Serve's default: 600 s); a "
+        "removed replica drains its running requests first (lifecycle.graceful_shutdown_timeout_s)."))
+    look_back_period_s: float = Field(30.0, gt=10.0, le=3600.0, allow_inf_nan=False, description=(
+        "Window over which Serve averages the ongoing requests it scales on (Serve's default: 30 s); shorter "
+        "follows the load sooner and noisier. Above 10 s: Serve's handles and replicas report every 10 s."))
     max_queued_requests: int = Field(64, ge=1, description=(
         "Requests each Serve proxy holds while every replica is full or still starting (e.g. a new pipeline "
         "loading its models); beyond: HTTP 429 / gRPC RESOURCE_EXHAUSTED from Serve itself, with Retry-After."))

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from deployments.admission import Admission, Overloaded, RequestTimeout
-from deployments.app import CONTROL_SLOTS, deployment_options
+from deployments.app import deployment_options
 from deployments.auth import ApiKeys, Unauthenticated, bearer_token, grpc_api_key
 from deployments.config import AppConfig, AuthConfig, InvalidUserConfig, with_user_config
 from deployments.openai_api import RequireApiKey
@@ -139,6 +139,24 @@ class TestAdmission:
             closed.set_result(True)
             await asyncio.sleep(0.01)
             assert admission.running == 0
+
+        asyncio.run(scenario())
+
+    def test_a_slot_still_closing_lends_the_line_a_place(self):
+        # Serve's router counts a request gone once its response ends, before its sessions are closed, and
+        # may send the next one at once: max_ongoing_requests = running + waiting must never be turned away.
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=0, retry_after_s=1)
+            ticket = admission.admit()
+            closed = asyncio.get_running_loop().create_future()
+            ticket.release_after([closed])
+            sent_meanwhile = admission.admit()  # waits for the closing slot instead of a 429
+            assert (admission.running, admission.waiting, admission.closing) == (1, 1, 1)
+            with pytest.raises(Overloaded):  # one closing slot lends one place, no more
+                admission.admit()
+            closed.set_result(True)
+            await sent_meanwhile.wait()
+            assert (admission.running, admission.waiting, admission.closing) == (1, 0, 0)
 
         asyncio.run(scenario())
 
@@ -285,13 +303,13 @@ class TestAuthConfig:
         with pytest.raises(ValidationError, match="retry_after_s"):
             AppConfig.model_validate({**SMALL_PAIR, "limits": {"retry_after_s": float("nan")}})
 
-    def test_serve_options_leave_admission_to_the_replica(self):
+    def test_serve_routes_no_more_than_a_replica_admits(self):
         config = AppConfig.model_validate({**SMALL_PAIR, "limits": {"max_running_requests": 4,
                                                                     "max_waiting_requests": 6,
                                                                     "retry_after_s": 2.5},
                                            "autoscaling": {"max_queued_requests": 9}})
         options = deployment_options(config)
-        assert options["max_ongoing_requests"] == 4 + 6 + CONTROL_SLOTS
+        assert options["max_ongoing_requests"] == 4 + 6  # Serve never sends more than the replica admits
         assert options["max_queued_requests"] == 9
         assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 2.5}
         assert options["user_config"] == {}  # a Serve config dropping its user_config goes back to args

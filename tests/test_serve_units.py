@@ -91,7 +91,27 @@ def test_deployment_reserves_a_bundle_each_for_replica_drafter_and_target():
     assert options["placement_group_bundles"] == [
         {"CPU": 0.01}, {"CPU": 1, "GPU": 1, "drafter_node": 1}, {"CPU": 2, "GPU": 1}]
     assert options["placement_group_strategy"] == "STRICT_SPREAD"
-    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2}
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2,
+                                             "upscale_delay_s": 30.0, "downscale_delay_s": 600.0,
+                                             "look_back_period_s": 30.0}
+
+
+def test_autoscaling_delays_go_from_yaml_to_serve_and_back():
+    from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
+
+    from deployments.config import AutoscalingConfig
+
+    text = ("min_replicas: 1\nmax_replicas: 2\ntarget_ongoing_requests: 2\nupscale_delay_s: 2\n"
+            "downscale_delay_s: 5\nlook_back_period_s: 12\n")
+    scaling = AutoscalingConfig.model_validate(yaml.safe_load(text))
+    assert AutoscalingConfig.model_validate(yaml.safe_load(yaml.safe_dump(scaling.model_dump()))) == scaling
+    options = deployment_options(AppConfig.model_validate({**SMALL_PAIR, "autoscaling": scaling.model_dump()}))
+    served = ServeAutoscalingConfig.model_validate(options["autoscaling_config"])  # Serve takes every field
+    assert (served.upscale_delay_s, served.downscale_delay_s, served.look_back_period_s) == (2, 5, 12)
+    for bad in ({"upscale_delay_s": -1}, {"downscale_delay_s": float("inf")}, {"look_back_period_s": 10},
+                {"upscale_delay_s": 1, "surprise": 1}):
+        with pytest.raises(ValidationError):
+            AutoscalingConfig.model_validate(bad)
 
 
 def test_a_replica_being_removed_drains_its_running_requests():
