@@ -22,7 +22,8 @@ def smollm():
 # Markers from what a test uses, so none is forgotten: `real` for the real offline models (docs/models.md),
 # `serve` for a private Ray instance with the Serve app. `-m "not real and not serve"` is the fast loop.
 REAL_MODEL_FIXTURES = {"gemma", "smollm"}
-RAY_FIXTURES = {"served_app", "limited_app", "running"}  # tests/serve_fixtures.py, test_limits_serve, test_multinode
+RAY_FIXTURES = {"served_app", "limited_app", "running",  # tests/serve_fixtures.py, test_limits_serve, test_multinode
+                "autoscaling_app", "two_pipelines_app"}  # test_autoscaling_serve
 
 
 def pytest_collection_modifyitems(items):
