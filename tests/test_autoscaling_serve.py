@@ -233,27 +233,39 @@ def test_load_adds_a_pipeline_that_serves_and_its_end_removes_it_with_every_answ
     assert _replica_states() == {"RUNNING": 1}
     assert _pipeline_actors() == {"replicas": 1, "drafters": 1, "targets": 1, "placement_groups": 1}
     timeline = Timeline()
-    # 4 clients, one replica admits 3: one request is always held in Serve's queue, and ongoing requests per
-    # replica (4) are above target_ongoing_requests (1)
-    with ClosedLoop(autoscaling_app, clients=4) as load:
-        timeline.mark("load started: 4 closed-loop clients (one replica admits 3)")
-        _until(lambda: _replica_states() == {"RUNNING": 2}, "two replicas running")
-        timeline.mark("second replica RUNNING (its drafter and target loaded)")
-        _until(lambda: len(_finished_by_replica()) == 2 and min(_finished_by_replica().values()) > 0,
-               "both replicas finishing requests")
-        timeline.mark(f"second replica finished its first request; finished so far: {_finished_by_replica()}")
-        _until(lambda: min(_finished_by_replica().values()) >= 3, "the second replica serving a while")
-    timeline.mark(f"load stopped after {len(load.outcomes)} requests; finished by replica: {_finished_by_replica()}")
-    _until(lambda: _replica_states() == {"RUNNING": 1}, "back to one replica")
-    timeline.mark("Serve back to one replica")
-    _until(lambda: _pipeline_actors() == {"replicas": 1, "drafters": 1, "targets": 1, "placement_groups": 1},
-           "the removed replica's actors and placement group gone", 120)
-    timeline.mark("removed replica's drafter, target and placement group gone")
+    # 4 clients, one replica admits 3: one request is always held in Serve's queue, and the ongoing requests
+    # (4) are above target_ongoing_requests (1). One client stays through the scale-down, so requests are in
+    # flight on the replica being removed (it drains them: lifecycle.graceful_shutdown_timeout_s).
+    with ClosedLoop(autoscaling_app, clients=1) as steady:
+        with ClosedLoop(autoscaling_app, clients=3) as burst:
+            timeline.mark("load started: 4 closed-loop clients (one replica admits 3)")
+            _until(lambda: sum(_replica_states().values()) == 2, "a second replica started")
+            timeline.mark(f"Serve starts a second replica: {_replica_states()}")
+            _until(lambda: _replica_states() == {"RUNNING": 2}, "two replicas running")
+            timeline.mark("second replica RUNNING (its drafter and target loaded)")
+            _until(lambda: len(_finished_by_replica()) == 2 and min(_finished_by_replica().values()) > 0,
+                   "both replicas finishing requests")
+            timeline.mark(f"second replica finished its first request; finished by replica: {_finished_by_replica()}")
+            _until(lambda: min(_finished_by_replica().values()) >= 3, "the second replica serving a while")
+        timeline.mark(f"load down to 1 client; finished by replica: {_finished_by_replica()}")
+        _until(lambda: _replica_states() != {"RUNNING": 2}, "a replica being removed")
+        timeline.mark(f"Serve removes a replica: {_replica_states()}; finished by replica: {_finished_by_replica()}")
+        _until(lambda: _replica_states() == {"RUNNING": 1}, "back to one replica")
+        timeline.mark(f"Serve back to one replica; finished by replica: {_finished_by_replica()}")
+        _until(lambda: _pipeline_actors() == {"replicas": 1, "drafters": 1, "targets": 1, "placement_groups": 1},
+               "the removed replica's actors and placement group gone", 120)
+        timeline.mark("removed replica's drafter, target and placement group gone")
+        served_before = len(steady.outcomes)
+        _until(lambda: len(steady.outcomes) >= served_before + 2, "the steady client served after the scale-down")
+    outcomes = burst.outcomes + steady.outcomes
+    timeline.mark(f"load stopped after {len(outcomes)} requests; finished by replica: {_finished_by_replica()}")
     print(f"\nautoscaling timeline (1 -> 2 -> 1 replicas):\n{timeline}")
 
     finished = _finished_by_replica()
     assert len(finished) == 2 and min(finished.values()) > 0, finished
-    assert not _wrong(load.outcomes, reference), _wrong(load.outcomes, reference)[:3]
+    # every request that reached a replica finished there (a replica logs its line once the answer is sent)
+    _until(lambda: sum(_finished_by_replica().values()) == len(outcomes), "every request logged as done", 30)
+    assert not _wrong(outcomes, reference), _wrong(outcomes, reference)[:3]
     # no session left behind on the replica that stays (the removed one's actors are gone with their sessions)
     stats = _until(lambda: _stats_once_idle(autoscaling_app), "the remaining replica's sessions closed", 60)
     assert stats["running_slots"] == stats["waiting_requests"] == 0, stats
