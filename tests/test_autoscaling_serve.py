@@ -20,12 +20,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import yaml
 
 from deployments.local_serve import local_serve, wait_until_running
 from hetspec import Engine, SamplingParams, SpeculationConfig
+from protos.hetspec.v1 import hetspec_pb2 as pb
+from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
 from serve_fixtures import SMALL_CONFIG, serve_logs_dir, small_app_args
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
@@ -54,6 +57,7 @@ def reference(gemma) -> dict[str, list[int]]:
 @dataclass
 class App:
     http_url: str
+    grpc_target: str
     model_id: str
 
 
@@ -63,7 +67,7 @@ def _served(autoscaling: dict):
     config["applications"][0]["args"] = small_app_args(autoscaling=autoscaling, limits=LIMITS)
     with local_serve(config, NODES) as served:
         wait_until_running(APP_NAME, STATE_DEADLINE_S)
-        yield App(served.http_url, config["applications"][0]["args"]["model_id"])
+        yield App(served.http_url, served.grpc_target, config["applications"][0]["args"]["model_id"])
 
 
 @pytest.fixture
@@ -171,12 +175,25 @@ def _complete(client: httpx.Client, app: App, prompt: str, stream: bool) -> Outc
         return Outcome(prompt, stream, 0, error=repr(error))
 
 
+def _generate_over_grpc(app: App, prompt: str) -> Outcome:
+    """A unary gRPC Generate; RESOURCE_EXHAUSTED is counted as 429 (the same refusal)."""
+    with grpc.insecure_channel(app.grpc_target) as channel:
+        try:
+            response = pb_grpc.HetSpecStub(channel).Generate(pb.GenerateRequest(prompt=prompt), timeout=300)
+        except grpc.RpcError as error:
+            status = 429 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else 0
+            return Outcome(prompt, False, status, error=f"{error.code()}: {error.details()}")
+    return Outcome(prompt, False, 200, list(response.token_ids), bool(response.finish_reason))
+
+
 class ClosedLoop:
     """``clients`` threads, each sending its next completion when the last one ends (odd clients stream),
     until ``stop`` or ``requests_each`` requests."""
 
-    def __init__(self, app: App, clients: int, requests_each: int | None = None):
-        self.app, self.requests_each = app, requests_each
+    def __init__(self, app: App, clients: int, requests_each: int | None = None, grpc_clients: int = 0):
+        """``grpc_clients``: how many of the clients send over gRPC (Serve's gRPC proxy routes with a router
+        of its own, so two routers share the replicas, as several proxies do on a cluster)."""
+        self.app, self.requests_each, self.grpc_clients = app, requests_each, grpc_clients
         self.outcomes: list[Outcome] = []
         self._stopping = threading.Event()
         self._threads = [threading.Thread(target=self._client, args=(index,), daemon=True) for index in range(clients)]
@@ -204,7 +221,10 @@ class ClosedLoop:
         with httpx.Client(timeout=300) as client:
             while not self._stopping.is_set() and (self.requests_each is None or sent < self.requests_each):
                 prompt = PROMPTS[(index + sent) % len(PROMPTS)]
-                self.outcomes.append(_complete(client, self.app, prompt, stream=index % 2 == 1))
+                if index < self.grpc_clients:
+                    self.outcomes.append(_generate_over_grpc(self.app, prompt))
+                else:
+                    self.outcomes.append(_complete(client, self.app, prompt, stream=index % 2 == 1))
                 sent += 1
 
 
@@ -273,12 +293,13 @@ def test_load_adds_a_pipeline_that_serves_and_its_end_removes_it_with_every_answ
 
 
 def test_two_pipelines_below_their_capacity_never_answer_429(two_pipelines_app, reference):
-    # each replica admits 3 (2 running + 1 waiting): 5 clients are above one replica's room, below both's 6
-    with ClosedLoop(two_pipelines_app, clients=5, requests_each=4) as load:
+    # each replica admits 3 (2 running + 1 waiting): 5 clients are above one replica's room, below both's 6;
+    # 2 of them over gRPC, whose proxy routes apart from the HTTP proxy (neither sees the other's requests)
+    with ClosedLoop(two_pipelines_app, clients=5, requests_each=4, grpc_clients=2) as load:
         load.join()
     statuses = sorted({outcome.status for outcome in load.outcomes})
     finished = _finished_by_replica()
-    print(f"\ntwo replicas, 5 clients x 4 requests: statuses {statuses}, finished by replica {finished}")
+    print(f"\ntwo replicas, 5 clients (2 gRPC) x 4 requests: statuses {statuses}, finished by replica {finished}")
     assert len(load.outcomes) == 20
     assert not [outcome for outcome in load.outcomes if outcome.status == 429], "a 429 below total capacity"
     assert not _wrong(load.outcomes, reference), _wrong(load.outcomes, reference)[:3]
