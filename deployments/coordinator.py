@@ -261,7 +261,8 @@ class Coordinator:
                                   drafter_lost=algorithm.needs_drafter and drafter is None)
             if stats.drafter_lost:
                 self._drafter_lost(request_id)
-            progress = Progress(self.target_model, prepared.params, prepared.speculation, stats)
+            progress = Progress(self.target_model, prepared.params, prepared.speculation, stats,
+                                prepared.target_prompt_ids)
             loop = DecodeLoop(request_id, algorithm, progress, list(prepared.target_prompt_ids), target, drafter,
                               prepared.pipelined, self.batches,
                               on_step=lambda step: self._record_step(algorithm.name, step),
@@ -359,12 +360,13 @@ class Coordinator:
 
     def _record_step(self, algorithm: str, step: Step) -> None:
         tags = {"algorithm": algorithm}
+        by_source = {"algorithm": algorithm, "source": step.source}
         self.metrics.accepted_length.observe(step.accepted, tags=tags)
         if step.drafted:  # a Ray counter only takes positive increments
-            self.metrics.drafted_tokens.inc(step.drafted, tags=tags)
+            self.metrics.drafted_tokens.inc(step.drafted, tags=by_source)
             self.metrics.draft_length.observe(step.drafted, tags=tags)
         if step.accepted:
-            self.metrics.accepted_tokens.inc(step.accepted, tags=tags)
+            self.metrics.accepted_tokens.inc(step.accepted, tags=by_source)
         for stage, seconds in (("drafter", step.drafter_seconds), ("target", step.target_seconds),
                                ("alignment", step.alignment_seconds)):
             if seconds:

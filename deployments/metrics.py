@@ -23,10 +23,11 @@ class CoordinatorMetrics:
                                       tag_keys=("protocol", "kind"))
         self.generated_tokens = Counter("hetspec_generated_tokens_total", "Tokens generated.", tag_keys=("algorithm",))
         self.prompt_tokens = Counter("hetspec_prompt_tokens_total", "Prompt tokens read.", tag_keys=("algorithm",))
+        # source: the draft's, "drafter" (the drafter model) or "lookup" (context lookup, hetspec/lookup.py)
         self.drafted_tokens = Counter("hetspec_drafted_tokens_total", "Candidates sent to the target.",
-                                      tag_keys=("algorithm",))
+                                      tag_keys=("algorithm", "source"))
         self.accepted_tokens = Counter("hetspec_accepted_tokens_total", "Candidates the target kept.",
-                                       tag_keys=("algorithm",))
+                                       tag_keys=("algorithm", "source"))
         self.accepted_length = Histogram("hetspec_accepted_length", "Candidates accepted per target pass.",
                                          boundaries=TOKEN_BUCKETS, tag_keys=("algorithm",))
         self.draft_length = Histogram("hetspec_draft_length", "Candidates per draft.", boundaries=TOKEN_BUCKETS,

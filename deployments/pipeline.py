@@ -74,6 +74,7 @@ class Step:
     target_seconds: float
     alignment_seconds: float
     speculation: str | None  # "hit", "miss" or None when no speculative draft was waiting
+    source: str = "drafter"  # the draft's: "drafter" or "lookup" (hetspec/lookup.py)
 
 
 def _complete(text: bytes) -> bool:
@@ -286,6 +287,8 @@ class DecodeLoop:
                     message = message if drafts else None
                     outcome = "hit" if message is not None else "miss"
             drafts = drafts and self.drafter is not None  # a lost drafter drafts no more
+            if message is None:  # the library's choice between the context lookup and the drafter (no model)
+                message = self.progress.lookup_draft(self.target_ids, self.drafter is not None)
             if drafts and message is None:
                 message = await self._from_drafter(self._draft(committed, k, self.progress.position))
                 if message is not None:
@@ -363,9 +366,9 @@ class DecodeLoop:
         self.stats.pipeline_misses += outcome == "miss"
         self.stats.batch_rows += 1
         self.stats.chosen_draft_tokens += drafted
-        event = self.progress.commit(drafted, result.new_ids, result.logprobs)
+        event = self.progress.commit(drafted, result.new_ids, result.logprobs, message.source)
         self.on_step(Step(drafted, accepted, drafter_seconds, result.seconds, alignment_seconds,
-                          outcome))
+                          outcome, message.source))
         return event
 
 

@@ -269,8 +269,9 @@ class TargetWorker(_Worker):
                 for outcome in outcomes]
 
     def _draft_probs(self, draft: Draft, session: _TargetSession) -> torch.Tensor | None:
-        """[len(candidates), target_vocab] rows of the stored draft distribution, or None."""
-        if session.algorithm.exact or session.params.greedy:
+        """[len(candidates), target_vocab] rows of the stored draft distribution, or None (a point-mass draft's
+        one-hot rows are built by ``TargetSide.verify``, they never travel)."""
+        if session.algorithm.exact or session.params.greedy or draft.point_mass:
             return None
         if draft.draft_probs is None:  # no draft this step: k = 0 rows, the target samples on its own
             return torch.zeros(0, self.model.vocab_size)

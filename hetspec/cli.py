@@ -49,6 +49,12 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="most prompts decoded together (--prompts-file)")
     parser.add_argument("--load-adaptive", action="store_true",
                         help="choose each step's draft length (0: plain batched decoding) from measured costs")
+    parser.add_argument("--lookup", choices=["off", "auto", "always"], default="off", help=(
+        "context lookup drafts: text that followed an earlier occurrence of the text's end, no drafter pass "
+        "(auto: when its measured acceptance holds up against the drafter's; always: whenever it proposes enough)"))
+    parser.add_argument("--lookup-min-match", type=int, default=12, help="context lookup: shortest match, in bytes")
+    parser.add_argument("--lookup-max-draft", type=int, default=16,
+                        help="context lookup: most target tokens one lookup draft proposes")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -73,7 +79,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         speculation = SpeculationConfig(algorithm=args.algorithm, draft_tokens=args.draft_tokens,
                                         adaptive=args.adaptive, tree_width=args.tree_width,
                                         confidence_threshold=args.confidence_threshold,
-                                        load_adaptive=args.load_adaptive)
+                                        load_adaptive=args.load_adaptive, lookup=args.lookup,
+                                        lookup_min_match=args.lookup_min_match,
+                                        lookup_max_draft=args.lookup_max_draft)
         batching = BatchingConfig(max_batch_size=args.batch_size)
     except ValidationError as error:
         for problem in error.errors():

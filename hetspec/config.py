@@ -109,6 +109,20 @@ class SpeculationConfig(StrictModel):
     load_adaptive: bool = Field(False, description=(
         "Choose each step's draft length (down to 0: plain batched decoding) from the measured pass costs of "
         "both models at the current batch size and the requests' measured acceptance (docs/batching.md)."))
+    lookup: Literal["off", "auto", "always"] = Field("off", description=(
+        "Context lookup drafts (hetspec/lookup.py; prompt lookup decoding, Saxena 2023): the longest suffix of the "
+        "request's text (prompt and output, as bytes) that occurred before proposes the text that followed it, "
+        "with no drafter pass. auto: a step uses it when it proposes at least lookup_min_draft tokens and its "
+        "accepted tokens per draft in the request so far are not clearly below the drafter's; always: whenever "
+        "it proposes that many; off: never. Any algorithm, ar included; it changes speed only, never the output."))
+    lookup_min_match: int = Field(12, ge=1, le=256, description=(
+        "Context lookup: the shortest suffix of the text, in bytes, that counts as a match."))
+    lookup_max_match: int = Field(64, ge=1, le=1024, description=(
+        "Context lookup: the longest suffix, in bytes, compared when choosing among earlier occurrences."))
+    lookup_min_draft: int = Field(2, ge=1, le=64, description=(
+        "Context lookup: the fewest target tokens a lookup must propose to be used instead of the drafter."))
+    lookup_max_draft: int = Field(16, ge=1, le=64, description=(
+        "Context lookup: the most target tokens one lookup draft proposes."))
 
     @field_validator("tree_width")
     @classmethod
@@ -123,6 +137,10 @@ class SpeculationConfig(StrictModel):
     def _bounds(self) -> "SpeculationConfig":
         if self.min_draft_tokens > self.max_draft_tokens:
             raise ValueError("min_draft_tokens must not exceed max_draft_tokens")
+        if self.lookup_min_match > self.lookup_max_match:
+            raise ValueError("lookup_min_match must not exceed lookup_max_match")
+        if self.lookup_min_draft > self.lookup_max_draft:
+            raise ValueError("lookup_min_draft must not exceed lookup_max_draft")
         return self
 
 

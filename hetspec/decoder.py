@@ -26,6 +26,7 @@ from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.align import complete_utf8_length
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
 from hetspec.kv import Feed, Steps, forward, run_lockstep
+from hetspec.lookup import ContextLookup, prompt_text
 from hetspec.models import LanguageModel
 from hetspec.output import DraftLength, OutputText, Stats, StreamEvent, TokenLogprob, token_logprobs
 from hetspec.tree import TokenTree, chain_then_tree
@@ -59,8 +60,10 @@ class TargetSide:
             return (yield from self._verify_tree(draft.tree, params, first_position))
         logits = yield Feed(self.session, self.ids[self.session.length:] + draft.candidates,
                             len(draft.candidates) + 1)  # [k+1, vocab]
+        # rejection sampling alone reads the draft's distributions (a lookup's one-hot rows are built only then)
+        draft_probs = None if algorithm.exact or params.greedy else draft.candidate_probs(self.model.vocab_size)
         accepted_len, next_token = verify_candidates(
-            draft.candidates, draft.candidate_probs(), logits, params.temperature, params.top_k, params.top_p,
+            draft.candidates, draft_probs, logits, params.temperature, params.top_k, params.top_p,
             params.seed, first_position, exact=algorithm.exact)
         # Rollback: keep the keys and values of the committed ids and the accepted candidates only.
         self.session.rollback(len(self.ids) + accepted_len)
@@ -98,7 +101,8 @@ class Progress:
     server's workers (deployments/pipeline.py). Draft length, draft rounds, statistics, output text."""
 
     def __init__(self, target: LanguageModel, params: SamplingParams, speculation: SpeculationConfig,
-                 stats: Stats):
+                 stats: Stats, prompt_ids: Sequence[int] = ()):
+        """``prompt_ids``: the target's prompt ids (the context lookup reads the prompt's text)."""
         if params.seed is None:
             raise ValueError("a request's params need a seed: SamplingParams.seeded() draws one")
         self.params = params
@@ -107,6 +111,10 @@ class Progress:
         self.stats = stats
         stats.seed = params.seed
         self.policy = DraftLength(speculation)
+        self.lookup = None if speculation.lookup == "off" else ContextLookup(
+            speculation.lookup, speculation.lookup_min_match, speculation.lookup_max_match,
+            speculation.lookup_min_draft, speculation.lookup_max_draft, prompt_text(prompt_ids, self.output.table),
+            target.encode, self.output.table, speculation.alignment_window)
         self.logprobs: list[TokenLogprob] = []  # of the committed ids, when params.logprobs is set
         self.drafts = 0  # the next draft's round (hetspec.sampling: the drafter's numbers are never reused)
         self.started = time.perf_counter()
@@ -131,17 +139,32 @@ class Progress:
             return 0
         return k
 
+    def lookup_draft(self, committed_target_ids: Sequence[int], has_drafter: bool) -> Draft | None:
+        """This step's context-lookup draft (hetspec/lookup.py), already target ids, or None when the drafter
+        (or the target alone) has the step. The one place both runtimes get a lookup draft from."""
+        committed = self.committed
+        if self.lookup is None or complete_utf8_length(committed) != len(committed):
+            return None
+        tick = time.perf_counter()
+        candidates = self.lookup.propose(committed, committed_target_ids,
+                                         self.params.max_new_tokens - self.position - 1, self.stats.tally("lookup"),
+                                         self.stats.tally("drafter") if has_drafter else None)
+        self.stats.alignment_seconds += time.perf_counter() - tick
+        return Draft(candidates=candidates, source="lookup") if candidates else None
+
     def next_round(self) -> int:
         self.drafts += 1
         return self.drafts - 1
 
-    def commit(self, drafted: int, new_ids: list[int], logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
+    def commit(self, drafted: int, new_ids: list[int], logprobs: list[TokenLogprob] | None = None,
+               source: str = "drafter") -> StreamEvent:
         """Account a verified step and release its text; the last event carries the finish reason and statistics.
-        ``logprobs``: one per new id (``TargetSide.step_logprobs``), when the request asked for them."""
+        ``logprobs``: one per new id (``TargetSide.step_logprobs``), when the request asked for them; ``source``:
+        the draft's (``Draft.source``)."""
         self.stats.target_forwards += 1
-        self.stats.drafted_tokens += drafted
-        self.stats.accepted_tokens += len(new_ids) - 1
-        self.policy.update(drafted, len(new_ids) - 1)
+        self.stats.add_draft(source, drafted, len(new_ids) - 1)
+        if source == "drafter":  # the draft length policy sizes the drafter's drafts
+            self.policy.update(drafted, len(new_ids) - 1)
         released = self.output.released_tokens
         self.logprobs.extend(logprobs or [])  # index i: output token i (OutputText only cuts ids at the end)
         kept_ids, delta, finish = self.output.add(new_ids)
@@ -167,7 +190,7 @@ class Request(Progress):
         if self.algorithm.needs_drafter:
             self.drafter = DrafterSide(drafter, drafter_prompt_ids, speculation.alignment_window)
         super().__init__(target, params, speculation,
-                         Stats(algorithm=self.algorithm.name, prompt_tokens=self.target.prompt_len))
+                         Stats(algorithm=self.algorithm.name, prompt_tokens=self.target.prompt_len), target_prompt_ids)
 
     def draft(self, k: int) -> Steps:
         """The algorithm's draft (drafter passes) aligned to target ids; k = 0: an empty draft, no pass."""
@@ -246,9 +269,12 @@ class BatchDecoder:
         running = list(self.running)
         cap = self.adaptive.choose({request: request.draft_length(request.drafter is not None) for request in running}) \
             if self.adaptive else None
-        lengths = [request.draft_length(request.drafter is not None, cap) for request in running]
+        lookups = [request.lookup_draft(request.target.ids, request.drafter is not None) for request in running]
+        # a request with a lookup draft asks nothing of the drafter this step
+        lengths = [0 if lookup else request.draft_length(request.drafter is not None, cap)
+                   for request, lookup in zip(running, lookups)]
         drafting = [index for index, k in enumerate(lengths) if k > 0]
-        drafts = [Draft() for _ in running]
+        drafts = [lookup or Draft() for lookup in lookups]
         tick = time.perf_counter()
         if drafting:
             made = run_lockstep(self.drafter, [running[index].draft(lengths[index]) for index in drafting])
@@ -265,8 +291,8 @@ class BatchDecoder:
             request.stats.drafter_seconds += drafter_seconds if index in drafting else 0.0
             request.stats.target_seconds += target_seconds
             request.stats.batch_rows += len(running)
-            request.stats.chosen_draft_tokens += lengths[index]
-            event = request.commit(draft.proposed_len, new_ids, request.target.step_logprobs)
+            request.stats.chosen_draft_tokens += draft.proposed_len if draft.point_mass else lengths[index]
+            event = request.commit(draft.proposed_len, new_ids, request.target.step_logprobs, draft.source)
             if event.token_ids or event.text or event.finish_reason:
                 events.append((request, event))
             if request.finished:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from hetspec.config import SamplingParams, SpeculationConfig
+from hetspec.lookup import SourceTally
 from hetspec.models import LanguageModel
 from hetspec.vocab import token_bytes
 
@@ -33,6 +34,27 @@ class Stats:
     batch_rows: int = 0  # summed over its target passes: how many requests each pass verified
     chosen_draft_tokens: int = 0  # summed over its steps: the draft length each step gave it
     seed: int | None = None  # the request's seed (drawn at random when it gave none): it reproduces the sample
+    # per draft source (drafted_tokens and accepted_tokens are their sums): the drafter model, the context lookup
+    drafter_drafts: int = 0
+    drafter_drafted_tokens: int = 0
+    drafter_accepted_tokens: int = 0
+    lookup_drafts: int = 0
+    lookup_drafted_tokens: int = 0
+    lookup_accepted_tokens: int = 0
+
+    def tally(self, source: str) -> SourceTally:
+        """One draft source's record ("drafter" or "lookup")."""
+        return SourceTally(getattr(self, f"{source}_drafts"), getattr(self, f"{source}_drafted_tokens"),
+                           getattr(self, f"{source}_accepted_tokens"))
+
+    def add_draft(self, source: str, drafted: int, accepted: int) -> None:
+        """A verified draft of ``drafted`` tokens from ``source``, ``accepted`` of them kept."""
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        if drafted:
+            setattr(self, f"{source}_drafts", getattr(self, f"{source}_drafts") + 1)
+            setattr(self, f"{source}_drafted_tokens", getattr(self, f"{source}_drafted_tokens") + drafted)
+            setattr(self, f"{source}_accepted_tokens", getattr(self, f"{source}_accepted_tokens") + accepted)
 
     @property
     def mean_batch_size(self) -> float:

@@ -21,6 +21,7 @@ from hetspec import vocab
 from hetspec.align import DrafterContext
 from hetspec.config import SamplingParams, SpeculationConfig
 from hetspec.kv import Feed, KVSession, Steps
+from hetspec.lookup import point_mass_probs
 from hetspec.models import LanguageModel
 from hetspec.tree import TokenTree
 
@@ -44,9 +45,19 @@ class Draft:
     drafter_forwards: int = 0
     first_row: int = 0
     seconds: float = 0.0  # time the drafter took (the server's statistics)
+    source: str = "drafter"  # "drafter" (the drafter model) or "lookup" (the context lookup, hetspec/lookup.py)
 
-    def candidate_probs(self) -> torch.Tensor | None:
-        """[len(candidates), target_vocab]: the rows the candidates were drawn from."""
+    @property
+    def point_mass(self) -> bool:
+        """Each candidate was proposed with probability 1 (a lookup draft): no draft_probs travel, they are
+        built where they are used (``candidate_probs``)."""
+        return self.source == "lookup"
+
+    def candidate_probs(self, vocab_size: int | None = None) -> torch.Tensor | None:
+        """[len(candidates), target_vocab]: the rows the candidates were drawn from. ``vocab_size``: the target's
+        logits width, for a point-mass draft's one-hot rows."""
+        if self.point_mass:
+            return point_mass_probs(self.candidates, vocab_size)
         if self.draft_probs is None:
             return None
         return self.draft_probs[self.first_row:self.first_row + len(self.candidates)]
