@@ -2,8 +2,10 @@
 
 In process, one ``BatchDecoder`` step chooses the draft length of every request of the step at once. A replica's
 requests run their steps on their own tasks, kept in step by ``StepBatches`` (deployments/pipeline.py), so here
-each request asks for the cap as it starts a step, over the replica's running requests as they stand then; the
-policy is the library's, unchanged. The pass costs are measured from the batched calls ``StepBatches`` sends: a
+the steps are counted in rounds: a request asking again starts a new round, whose cap is chosen over the
+replica's running requests as they stand then, and every request asking within the round gets that cap (the
+policy's probes and its every-8th exploring step then count steps, as in process, not requests). The policy is
+the library's, unchanged. The pass costs are measured from the batched calls ``StepBatches`` sends: a
 ``verify_many`` call is one target pass over every request in it, a ``draft_many`` call of k positions k drafter
 passes. It changes which tokens are drafted, never which are output.
 """
@@ -19,16 +21,23 @@ class ReplicaLoadAdaptive:
     def __init__(self) -> None:
         self.policy = LoadAdaptive()
         self.running: dict[Any, Callable[[], int]] = {}  # a request's Progress -> its own draft length now
+        self.asked: set[int] = set()  # requests that took this round's cap
+        self.round_cap: int | None = None
 
     def join(self, progress: Any, own_length: Callable[[], int]) -> None:
         self.running[progress] = own_length
 
     def leave(self, progress: Any) -> None:
         self.running.pop(progress, None)
+        self.asked.discard(id(progress))
 
-    def cap(self) -> int | None:
-        """The cap on this step's draft length (None: the request's own), chosen over the running requests."""
-        return self.policy.choose({progress: own_length() for progress, own_length in self.running.items()})
+    def cap(self, progress: Any) -> int | None:
+        """The cap on ``progress``'s draft length this step (None: its own): this round's, or a new round's."""
+        if not self.asked or id(progress) in self.asked:
+            self.asked.clear()
+            self.round_cap = self.policy.choose({request: own_length() for request, own_length in self.running.items()})
+        self.asked.add(id(progress))
+        return self.round_cap
 
     def on_batch(self, method: str, items: list[tuple], outcomes: list[Any]) -> None:
         """A batched call came back (``StepBatches``): its items and per item the result or exception."""

@@ -273,7 +273,7 @@ class DecodeLoop:
         while True:
             remaining = self.progress.params.max_new_tokens - self.progress.position
             committed = self.progress.committed
-            cap = self.load_adaptive.cap() if self.load_adaptive is not None else None
+            cap = self.load_adaptive.cap(self.progress) if self.load_adaptive is not None else None
             k = self.progress.draft_length(self.drafter is not None, cap)
             drafts = k > 0
             message, drafter_seconds, outcome = None, 0.0, None
