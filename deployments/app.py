@@ -60,17 +60,15 @@ class HetSpecServer(GrpcMethods):
 
 
 def replica_capacity(limits: LimitsConfig) -> int:
-    """Requests one replica's admission takes (running + waiting), hence Serve's ``max_ongoing_requests``.
-
-    Why equal, not above: Serve's router sends a request only to a replica with fewer ongoing requests than
-    this and holds the rest in its own queue (``max_queued_requests``, answered 429 with Retry-After beyond),
-    choosing between replicas by their ongoing counts. Above it, the router would count room that the
-    replica's admission refuses, and with two replicas one would answer 429 while the other had free
-    slots. The price: /health and /v1/stats count as ongoing too, so on a full replica they wait in Serve's
-    queue for a slot (Serve's own health checks and /-/healthz do not), and a generation may wait there for
-    the milliseconds a stats call holds a slot. The replica's admission still answers what Serve cannot see:
-    a request above the KV budget, a lowered user_config limit (docs/deploy.md, "Routing")."""
+    """Requests one replica's admission takes (running + waiting)."""
     return limits.max_running_requests + limits.max_waiting_requests
+
+
+# Serve's max_ongoing_requests is the replica's capacity plus these: /health, /v1/models and /v1/stats count as
+# ongoing, and set exactly at the capacity they queued behind generations on a full replica (a stats poll then
+# held a slot a waiting request needed: tests/test_limits_serve.py). The replica's admission answers what lands
+# beyond its capacity (429 with Retry-After); Serve's router prefers the less loaded of two replicas.
+CONTROL_SLOTS = 8
 
 
 def autoscaling_options(scaling: AutoscalingConfig) -> dict:
@@ -82,9 +80,9 @@ def autoscaling_options(scaling: AutoscalingConfig) -> dict:
 def deployment_options(config: AppConfig) -> dict:
     """Serve options of the deployment.
 
-    ``max_ongoing_requests`` is what the replica's admission takes (``replica_capacity``), so Serve's router
-    never sends a replica more than it admits; Serve's ``max_queued_requests`` bounds what each proxy holds
-    when every replica is full or still starting, answered 429 with Retry-After.
+    ``max_ongoing_requests`` is what the replica's admission takes (``replica_capacity``) plus ``CONTROL_SLOTS``;
+    Serve's ``max_queued_requests`` bounds what each proxy holds when every replica is full or still starting,
+    answered 429 with Retry-After.
     """
     scaling, limits = config.autoscaling, config.limits
     replica = config.coordinator_resources
@@ -98,7 +96,7 @@ def deployment_options(config: AppConfig) -> dict:
         "placement_group_bundles": [replica.bundle(), config.drafter_resources.bundle(),
                                     config.target_resources.bundle()],
         "placement_group_strategy": config.pipeline.placement_strategy,
-        "max_ongoing_requests": replica_capacity(limits),
+        "max_ongoing_requests": replica_capacity(limits) + CONTROL_SLOTS,
         "max_queued_requests": scaling.max_queued_requests,
         "backpressure_config": {"status_code": 429, "retry_after_s": limits.retry_after_s},
         "autoscaling_config": autoscaling_options(scaling),

@@ -137,7 +137,8 @@ def tokenizer_responses(body: type[StrictModel]) -> dict[int | str, dict[str, An
 
 def generation_responses(whole: type[StrictModel]) -> dict[int | str, dict[str, Any]]:
     """A generation route's responses: ``whole`` as JSON, or server-sent events with ``stream: true``."""
-    events = {"schema": {"type": "string", "description": "data: <chunk JSON> events, ending with data: [DONE]"}}
+    events = {"schema": {"anyOf": [{"type": "object"}, {"type": "string", "enum": ["[DONE]"]}],
+                         "description": "data: <chunk JSON> events (or an error body), ending with data: [DONE]"}}
     return {200: {"model": whole, "description": "The completion, or its event stream.",
                   "content": {"text/event-stream": events}}, **ERROR_RESPONSES}
 

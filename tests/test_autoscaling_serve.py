@@ -43,6 +43,9 @@ STATE_DEADLINE_S = 420.0  # a new pipeline loads two models on busy cores; gener
 # One replica admits 2 + 1 requests (deployments/app.py, replica_capacity); the loads below are measured in it.
 LIMITS = {"max_running_requests": 2, "max_waiting_requests": 1, "default_max_new_tokens": NEW_TOKENS,
           "request_timeout_s": 300}
+# While the second pipeline loads, the first holds every client: its line is long enough for all of them (Serve
+# sends a replica up to its capacity plus app.CONTROL_SLOTS, and the replica answers what is beyond with 429).
+SCALING_LIMITS = {**LIMITS, "max_waiting_requests": 4}
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +65,9 @@ class App:
 
 
 @contextmanager
-def _served(autoscaling: dict):
+def _served(autoscaling: dict, limits: dict = LIMITS):
     config = yaml.safe_load(SMALL_CONFIG.read_text())
-    config["applications"][0]["args"] = small_app_args(autoscaling=autoscaling, limits=LIMITS)
+    config["applications"][0]["args"] = small_app_args(autoscaling=autoscaling, limits=limits)
     with local_serve(config, NODES) as served:
         wait_until_running(APP_NAME, STATE_DEADLINE_S)
         yield App(served.http_url, served.grpc_target, config["applications"][0]["args"]["model_id"])
@@ -74,7 +77,7 @@ def _served(autoscaling: dict):
 def autoscaling_app():
     """One replica, up to two, scaling on one ongoing request per replica with short delays."""
     with _served({"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
-                  "downscale_delay_s": 5, "look_back_period_s": 12}) as app:
+                  "downscale_delay_s": 5, "look_back_period_s": 12}, SCALING_LIMITS) as app:
         yield app
 
 
@@ -253,12 +256,12 @@ def test_load_adds_a_pipeline_that_serves_and_its_end_removes_it_with_every_answ
     assert _replica_states() == {"RUNNING": 1}
     assert _pipeline_actors() == {"replicas": 1, "drafters": 1, "targets": 1, "placement_groups": 1}
     timeline = Timeline()
-    # 4 clients, one replica admits 3: one request is always held in Serve's queue, and the ongoing requests
+    # 4 clients, one replica runs 2 (and holds up to 4 in line): the ongoing requests
     # (4) are above target_ongoing_requests (1). One client stays through the scale-down, so requests are in
     # flight on the replica being removed (it drains them: lifecycle.graceful_shutdown_timeout_s).
     with ClosedLoop(autoscaling_app, clients=1) as steady:
         with ClosedLoop(autoscaling_app, clients=3) as burst:
-            timeline.mark("load started: 4 closed-loop clients (one replica admits 3)")
+            timeline.mark("load started: 4 closed-loop clients (one replica runs 2)")
             _until(lambda: sum(_replica_states().values()) == 2, "a second replica started")
             timeline.mark(f"Serve starts a second replica: {_replica_states()}")
             _until(lambda: _replica_states() == {"RUNNING": 2}, "two replicas running")

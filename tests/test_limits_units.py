@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from deployments.admission import Admission, Overloaded, RequestTimeout
-from deployments.app import deployment_options
+from deployments.app import CONTROL_SLOTS, deployment_options
 from deployments.auth import ApiKeys, Unauthenticated, bearer_token, grpc_api_key
 from deployments.config import AppConfig, AuthConfig, InvalidUserConfig, with_user_config
 from deployments.openai_api import RequireApiKey
@@ -309,7 +309,7 @@ class TestAuthConfig:
                                                                     "retry_after_s": 2.5},
                                            "autoscaling": {"max_queued_requests": 9}})
         options = deployment_options(config)
-        assert options["max_ongoing_requests"] == 4 + 6  # Serve never sends more than the replica admits
+        assert options["max_ongoing_requests"] == 4 + 6 + CONTROL_SLOTS  # the replica admits, control routes pass
         assert options["max_queued_requests"] == 9
         assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 2.5}
         assert options["user_config"] == {}  # a Serve config dropping its user_config goes back to args
