@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hetspec.adaptive import LoadAdaptive
+from hetspec.adaptive import LoadAdaptive, fed_tokens
 
 
 class ReplicaLoadAdaptive:
@@ -45,8 +45,7 @@ class ReplicaLoadAdaptive:
         if not done:
             return
         if method == "verify_many":  # items: (request_id, draft); every row feeds its candidates and one id
-            tokens = sum(1 + len(draft.tree or draft.candidates) for (_, draft), _ in done)
-            self.policy.record_target(tokens, done[0][1].seconds)
+            self.policy.record_target(fed_tokens([draft for (_, draft), _ in done]), done[0][1].seconds)
         elif method == "draft_many":  # outcomes: Draft, each with the call's drafter time
             passes = max(draft.drafter_forwards for _, draft in done)
             self.policy.record_drafter(len(done), passes, done[0][1].seconds)

@@ -41,6 +41,11 @@ def acceptance(accepted: int, drafted: int, drafts: int) -> float:
     return (low + high) / 2
 
 
+def fed_tokens(drafts: list) -> int:
+    """Tokens a target pass feeds to verify ``drafts``: each row's candidates (or tree) and its last committed id."""
+    return sum(1 + len(draft.tree or draft.candidates) for draft in drafts)
+
+
 def _fit(samples: deque) -> tuple[float, float] | None:
     """Least-squares (intercept, slope) of seconds over width; None while the widths do not vary."""
     if len({width for width, _ in samples}) < 2:
@@ -92,7 +97,7 @@ class LoadAdaptive:
 
     def record(self, drafts: list, lengths: list[int], drafter_seconds: float, target_seconds: float) -> None:
         """One step of a batch: its drafts (one per request), the lengths they were given, both models' time."""
-        self.record_target(sum(1 + len(draft.tree or draft.candidates) for draft in drafts), target_seconds)
+        self.record_target(fed_tokens(drafts), target_seconds)
         self.record_drafter(sum(k > 0 for k in lengths), max((draft.drafter_forwards for draft in drafts), default=0),
                             drafter_seconds)
 
