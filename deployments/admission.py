@@ -146,6 +146,14 @@ class Admission:
     def waiting(self) -> int:
         return len(self._line)
 
+    async def closes_done(self) -> None:
+        """Until every finished request's session closes have answered (or timed out) and its slot is free.
+
+        An event loop that ends first cancels the waits, and a close still queued for a worker thread with
+        them (tests driving a coordinator under ``asyncio.run`` await this before they return)."""
+        while self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
+
     def resize(self, max_running: int, max_waiting: int, retry_after_s: float, kv_budget: int | None) -> None:
         """New limits, for the requests admitted from now on (Serve's reconfigure). Nobody is turned out:
         running requests keep their slots above a lowered cap, and a line longer than a lowered

@@ -4,7 +4,6 @@ chosen over the replica's running requests, and lossless (a coordinator on real 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import Draft
@@ -76,7 +75,9 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm
         return [token for event in events for token in event.token_ids], events[-1].stats
 
     async def all_at_once():
-        return await asyncio.gather(*(run(request) for request in requests))
+        served = await asyncio.gather(*(run(request) for request in requests))
+        await coordinator.admission.closes_done()  # closes are fire and forget: the loop must outlive them
+        return served
 
     served = asyncio.run(all_at_once())
     engine = Engine(gemma, smollm)
@@ -88,5 +89,4 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm
     assert policy.target_passes and policy.chosen, "the policy was asked and measured the passes"
     assert {k for _, k in policy.chosen} >= {0}, "it probed k = 0 (plain batched decoding)"
     assert any(stats.drafted_tokens for _, stats in served)
-    time.sleep(0.2)  # closes are fire and forget
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not coordinator.load_adaptive.running
