@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="slem: draft-tree widths to run (1: a chain; see SpeculationConfig.tree_width)")
     parser.add_argument("--hf-drafts", nargs="+",
                         help="hf-assisted settings: default, heuristic or numbers (default: default + --draft-tokens)")
+    parser.add_argument("--lookup", nargs="+", choices=["off", "auto", "always"], default=["off"],
+                        help="hetspec context lookup modes to run each hetspec method with (SpeculationConfig.lookup); "
+                             "ar runs without lookup (the baseline) and with each other mode")
+    parser.add_argument("--hf-lookup-tokens", type=int, nargs="+", default=[10],
+                        help="hf-lookup: transformers' prompt_lookup_num_tokens settings")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -163,7 +168,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     families = [name.strip() for name in args.algorithms.split(",") if name.strip()]
     hf_drafts = args.hf_drafts or ["default", *map(str, args.draft_tokens)]
     methods = build_methods(families, args.draft_tokens, args.adaptive, hf_drafts, same_vocabulary,
-                            tuple(args.tree_widths))
+                            tuple(args.tree_widths), tuple(args.lookup), tuple(args.hf_lookup_tokens))
     runner = Runner(engine, params, args.chat, same_vocabulary, adaptive_start=max(args.draft_tokens),
                     confidence_threshold=args.confidence_threshold)
     records: list[RunRecord] = []
@@ -192,6 +197,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
                 "top_p": args.top_p, "seed": args.seed, "chat": args.chat, "draft_tokens": args.draft_tokens,
                 "adaptive": args.adaptive, "confidence_threshold": args.confidence_threshold,
                 "tree_widths": args.tree_widths, "drafter_quantize": args.drafter_quantize,
+                "lookup": args.lookup, "hf_lookup_tokens": args.hf_lookup_tokens,
                 "same_vocabulary": same_vocabulary, "methods": [m.name for m in methods],
                 "hf_assisted_settings": {draft: runner.effective_assistant_settings(draft) for draft in hf_drafts}}
     result = {"meta": meta, "settings": settings, "note": args.note, "headline": analysis.headline(summary),

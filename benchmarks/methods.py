@@ -11,6 +11,11 @@ Methods:
   ``default`` leaves them unset (transformers' defaults: up to 20 tokens, constant schedule, stop drafting
   when the assistant's confidence falls below 0.4); a number k drafts exactly k tokens (constant
   schedule, no confidence stop); ``heuristic`` starts at 5 and grows/shrinks per step, reset every call.
+- ``hf-lookup``: transformers' prompt lookup decoding on the target alone (``prompt_lookup_num_tokens`` = the
+  draft setting, its default n-gram sizes), the peer of hetspec's context lookup.
+
+Any hetspec method may add context lookup drafts (``SpeculationConfig.lookup``): ``ar+lookup-always`` is
+hetspec's prompt lookup alone (no drafter), ``slem/k5+lookup-auto`` lookup and drafter per step.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from benchmarks.prompts import PromptCase
 from hetspec import Engine, SamplingParams, SpeculationConfig
 
 HETSPEC_FAMILIES = ("ar", "sd", "slem", "tli", "slrs")
-HF_FAMILIES = ("hf-greedy", "hf-assisted")
+HF_FAMILIES = ("hf-greedy", "hf-assisted", "hf-lookup")
+HF_PEERS = ("hf-assisted", "hf-lookup")  # the speculative peers a hetspec method is compared with
 FAMILIES = HETSPEC_FAMILIES + HF_FAMILIES
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -35,40 +41,57 @@ ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assi
 @dataclass(frozen=True)
 class MethodSpec:
     family: str  # one of FAMILIES
-    draft: str = "-"  # "-" (no drafter), a draft length "3", "adaptive", or for hf-assisted "default"/"heuristic"
+    # "-" (no drafter), a draft length "3", "adaptive", for hf-assisted "default"/"heuristic", for hf-lookup
+    # the tokens a lookup proposes
+    draft: str = "-"
     tree_width: int = 1  # slem: branches per depth of the draft tree (1: a chain)
+    lookup: str = "off"  # hetspec families: SpeculationConfig.lookup
 
     @property
     def name(self) -> str:
-        if self.draft == "-":
-            return self.family
-        name = f"{self.family}/k{self.draft}" if self.draft.isdigit() else f"{self.family}/{self.draft}"
-        return name if self.tree_width == 1 else f"{name}/tree{self.tree_width}"
+        name = self.family
+        if self.draft != "-":
+            name = f"{self.family}/k{self.draft}" if self.draft.isdigit() else f"{self.family}/{self.draft}"
+        name = name if self.tree_width == 1 else f"{name}/tree{self.tree_width}"
+        return name if self.lookup == "off" else f"{name}+lookup-{self.lookup}"
 
     @property
     def uses_drafter(self) -> bool:
-        return self.draft != "-"
+        return self.draft != "-" and self.family != "hf-lookup"
+
+    @property
+    def speculates(self) -> bool:
+        """Drafts anything (from the drafter or the context): a speculative method, not a baseline."""
+        return self.draft != "-" or self.lookup != "off"
 
 
 def build_methods(families: list[str], draft_tokens: list[int], adaptive: bool, hf_drafts: list[str],
-                  same_vocabulary: bool, tree_widths: tuple[int, ...] = (1,)) -> list[MethodSpec]:
-    """Every (family, draft setting) to run; ``sd`` only for a pair with one vocabulary; trees for slem only."""
+                  same_vocabulary: bool, tree_widths: tuple[int, ...] = (1,), lookups: tuple[str, ...] = ("off",),
+                  hf_lookup_tokens: tuple[int, ...] = (10,)) -> list[MethodSpec]:
+    """Every (family, draft setting, lookup mode) to run; ``sd`` only for a pair with one vocabulary; trees
+    for slem only; ``ar`` always runs without lookup (the baseline) and once per other lookup mode."""
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
     methods = []
     for family in families:
-        if family in ("ar", "hf-greedy"):
+        if family == "hf-greedy":
             methods.append(MethodSpec(family))
+        elif family == "ar":
+            methods.append(MethodSpec(family))
+            methods.extend(MethodSpec(family, lookup=mode) for mode in lookups if mode != "off")
         elif family == "hf-assisted":
             methods.extend(MethodSpec(family, draft) for draft in hf_drafts)
+        elif family == "hf-lookup":
+            methods.extend(MethodSpec(family, str(tokens)) for tokens in hf_lookup_tokens)
         elif family == "sd" and not same_vocabulary:
             continue
         else:
-            for width in tree_widths if family == "slem" else (1,):
-                methods.extend(MethodSpec(family, str(k), width) for k in draft_tokens)
-                if adaptive:
-                    methods.append(MethodSpec(family, "adaptive", width))
+            for mode in lookups:
+                for width in tree_widths if family == "slem" else (1,):
+                    methods.extend(MethodSpec(family, str(k), width, mode) for k in draft_tokens)
+                    if adaptive:
+                        methods.append(MethodSpec(family, "adaptive", width, mode))
     return methods
 
 
@@ -87,6 +110,7 @@ class RunRecord:
     drafter_calls: list[ForwardCall]
     hetspec_stats: dict | None = None  # hetspec's own Stats.to_dict() (exact draft/accept counts)
     extra: dict = field(default_factory=dict)
+    lookup: str = "off"  # the method's context lookup mode (hetspec) or "hf" for transformers' prompt lookup
 
 
 def hf_assistant_settings(draft: str) -> dict:
@@ -151,11 +175,12 @@ class Runner:
         seconds = time.perf_counter() - started
         drafter_calls = [call for meter in self.drafter_meters for call in meter.take()]
         return RunRecord(case.prompt_id, spec.name, spec.family, spec.draft, len(prompt_ids), token_ids, seconds,
-                         self.target_meter.take(), drafter_calls, stats, extra)
+                         self.target_meter.take(), drafter_calls, stats, extra,
+                         "hf" if spec.family == "hf-lookup" else spec.lookup)
 
     def _run_hetspec(self, spec: MethodSpec, case: PromptCase, params: SamplingParams):
         speculation = {"algorithm": spec.family, "confidence_threshold": self.confidence_threshold,
-                       "tree_width": spec.tree_width}
+                       "tree_width": spec.tree_width, "lookup": spec.lookup}
         if spec.draft == "adaptive":
             speculation.update(adaptive=True, draft_tokens=self.adaptive_start)
         elif spec.uses_drafter:
@@ -178,6 +203,8 @@ class Runner:
             kwargs["assistant_model"] = self.hf_drafter_model
             if not self.same_vocabulary:
                 kwargs.update(tokenizer=self.target.tokenizer, assistant_tokenizer=self.drafter.tokenizer)
+        elif spec.family == "hf-lookup":
+            kwargs["prompt_lookup_num_tokens"] = int(spec.draft)
         with torch.inference_mode():
             output = self.target.model.generate(input_ids, **kwargs)
         return output[0, len(prompt_ids):].tolist()

@@ -86,15 +86,18 @@ def test_bench_end_to_end_on_the_small_pair(tmp_path):
     threads = torch.get_num_threads()
     try:  # one thread: on a shared, busy CPU two threads per process stall each other (~10x slower)
         status = bench.main(["--pair", "small", "--task", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
-                             "--draft-tokens", "3", "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted",
-                             "--hf-drafts", "3", "--warmup-tokens", "2", "--cost-repeats", "1", "--threads", "1",
+                             "--draft-tokens", "3",
+                             "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted,hf-lookup", "--hf-drafts", "3",
+                             "--lookup", "off", "always", "--hf-lookup-tokens", "4", "--warmup-tokens", "2", "--cost-repeats", "1", "--threads", "1",
                              "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)  # load_model set it process-wide
     assert status == 0
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {row["method"]: row for row in result["summary"]}
-    assert list(rows) == ["ar", "slem/k3", "tli/k3", "slrs/k3", "hf-greedy", "hf-assisted/k3"]  # no sd: two vocabularies
+    assert list(rows) == ["ar", "ar+lookup-always", "slem/k3", "slem/k3+lookup-always", "tli/k3",
+                          "tli/k3+lookup-always", "slrs/k3", "slrs/k3+lookup-always", "hf-greedy", "hf-assisted/k3",
+                          "hf-lookup/k4"]  # no sd: two vocabularies
     for name, row in rows.items():
         assert row["tokens"] == 8 and row["tokens_per_second"] > 0 and row["ms_per_token"] > 0
         assert row["speedup_vs_ar_median"] > 0 and row["speedup_vs_ar_geomean"] > 0
@@ -111,7 +114,9 @@ def test_bench_end_to_end_on_the_small_pair(tmp_path):
     meta = result["meta"]
     assert meta["command"].endswith(f"--out {tmp_path}") and meta["git_commit"]
     assert meta["machine"]["cpu_cores"] >= 1 and meta["machine"]["torch_threads"] >= 1 and meta["date"]
-    assert result["headline"]["best_hetspec"] in rows and result["headline"]["best_hf_assisted"] == "hf-assisted/k3"
+    assert result["headline"]["best_hetspec"] in rows
+    assert result["headline"]["best_hf"] in ("hf-assisted/k3", "hf-lookup/k4")
+    assert rows["ar+lookup-always"]["lookup"] == "always" and rows["hf-lookup/k4"]["lookup"] == "hf"
     assert set(result["pass_costs"]["HumanEval/0"]) == {"target", "drafter"}
     markdown = (tmp_path / "results.md").read_text()
     assert "| slrs/k3 |" in markdown and meta["git_commit"] in markdown
