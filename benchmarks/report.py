@@ -67,7 +67,7 @@ COLUMNS = [("method", "method", 0), ("tokens_per_second", "tok/s", 2), ("speedup
            ("tokens_per_target_pass", "tokens/target pass", 2), ("acceptance_rate", "acceptance", 2),
            ("drafter_share", "drafter share", 2), ("other_ms_per_token", "other ms/token", 1),
            ("ideal_speedup_geomean", "ideal speedup", 2), ("efficiency_geomean", "measured/ideal", 2),
-           ("output_identical_to_ar", "same as ar", 0)]
+           ("priced_share_geomean", "priced share", 2), ("output_identical_to_ar", "same as ar", 0)]
 
 
 def summary_table(summary: list[dict]) -> str:
@@ -106,7 +106,9 @@ def markdown(result: dict) -> str:
         out += [f"> {result['note']}", ""]
     out += [summary_table(result["summary"]), "",
             "speedup: per-prompt tokens/s over `ar` (hetspec, target alone). ideal speedup: what the measured "
-            "acceptance and the isolated per-pass costs allow; measured/ideal is the implementation efficiency. "
+            "acceptance and the per-pass prices allow (each size's median over the runs); measured/ideal is the "
+            "implementation efficiency; priced share = forwards at those prices / wall time (ar's well below 1: "
+            "the baseline ran on a slower machine and the speedups of its prompts are inflated). "
             "See benchmarks/README.md.", ""]
     if head["best_hetspec"]:
         out += ["## Against the issue's targets", "",

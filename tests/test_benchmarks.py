@@ -58,6 +58,19 @@ def _record(method: str, seconds: float, target_tokens: list[int], drafter_token
                      [ForwardCall(tokens, 0.01) for tokens in drafter_tokens])
 
 
+def test_passes_are_priced_by_their_in_run_median_and_isolated_costs_only_fill_gaps():
+    ar = _record("ar", 1.0, [10] + [1] * 7, [])
+    assisted = _record("hf-assisted/k3", 0.8, [13, 4, 4, 4, 9], [10, 1, 1, 1])
+    # one slow isolated sample of a 1-token pass must not make ar look dear (efficiency above 1)
+    prices = analysis.pass_prices([ar, assisted], {"target": {1: 0.3, 2: 0.05, 8: 0.2}, "drafter": {1: 0.5}})
+    assert prices["target"] == {1: 0.1, 2: 0.1, 4: 0.1, 8: 0.2}  # 9 seen once: not priced; 2 raised to 1's
+    assert prices["drafter"] == {1: 0.01}
+    speedups = analysis.per_prompt_speedups([ar, assisted], "ar", {"p": {"target": {1: 0.3}, "drafter": {1: 0.5}}})
+    # ar: 0.1 + 7 * 0.1 = 0.8 s (not 0.1 + 7 * 0.3); assisted: 0.1 + 3 * 0.1 + 0.1 (9 tokens: past the priced
+    # sizes, at the largest price) + 0.01 + 3 * 0.01 = 0.54 s
+    assert speedups[("p", "hf-assisted/k3")]["ideal"] == pytest.approx(0.8 / 0.54)
+
+
 def test_ideal_speedup_prices_passes_by_isolated_costs():
     ar = _record("ar", 1.0, [10] + [1] * 7, [])
     # transformers-style run: 4 passes of (prompt or last token) + 3 candidates, 1 accepted each time
