@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--task", choices=TASKS, default="humaneval")
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--prompt-offset", type=int, default=0, help="skip this many prompts of the set")
+    parser.add_argument("--prompt-stride", type=int, default=1,
+                        help="take every N-th prompt from the offset on (e.g. 16: HumanEval/0, /16, /32...)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--algorithms", default=",".join(FAMILIES),
                         help=f"comma-separated, from {','.join(FAMILIES)} (sd only runs for a same-vocabulary pair)")
@@ -156,7 +158,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     label, target_spec, drafter_spec, dtype = resolve_models(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    cases = load_prompts(args.task, args.num_prompts, args.prompt_offset)
+    cases = load_prompts(args.task, args.num_prompts, args.prompt_offset, args.prompt_stride)
     meta = report.provenance(argv, args.device)  # before loading: the load average says how busy the machine was
     progress = lambda message: print(message, file=sys.stderr)  # noqa: E731
     target = load_model(target_spec, dtype=dtype, device=args.device, threads=args.threads, progress=progress)
@@ -193,6 +195,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     summary = analysis.summarize(records, divergences, costs or None)
     settings = {"pair_label": label, "target": target_spec, "drafter": drafter_spec, "dtype": dtype,
                 "device": args.device, "task": args.task, "num_prompts": len(cases), "prompt_offset": args.prompt_offset,
+                "prompt_stride": args.prompt_stride,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "chat": args.chat, "draft_tokens": args.draft_tokens,
                 "adaptive": args.adaptive, "confidence_threshold": args.confidence_threshold,

@@ -77,8 +77,9 @@ def long_context_prompts() -> list[PromptCase]:
     return cases
 
 
-def load_prompts(task: str, count: int, offset: int = 0) -> list[PromptCase]:
-    """The first ``count`` prompts of a task after ``offset``, in the set's fixed order."""
+def load_prompts(task: str, count: int, offset: int = 0, stride: int = 1) -> list[PromptCase]:
+    """``count`` prompts of a task in the set's fixed order: from ``offset``, every ``stride``-th (a fixed
+    rule that spreads a small sample over the whole set, e.g. every 16th HumanEval problem)."""
     builders = {"humaneval": humaneval_prompts, "summarization": summarization_prompts,
                 "longctx": long_context_prompts}
     if task not in builders:
@@ -86,4 +87,6 @@ def load_prompts(task: str, count: int, offset: int = 0) -> list[PromptCase]:
     cases = builders[task]()
     if not 0 <= offset < len(cases):
         raise ValueError(f"task {task} has {len(cases)} prompts; offset {offset} is out of range")
-    return cases[offset:offset + count]
+    if stride < 1:
+        raise ValueError(f"stride must be at least 1, not {stride}")
+    return cases[offset::stride][:count]

@@ -85,6 +85,8 @@ def test_ideal_speedup_prices_passes_by_isolated_costs():
 
 def test_prompt_sets_have_the_requested_sizes():
     assert [case.prompt_id for case in load_prompts("humaneval", 2)] == ["HumanEval/0", "HumanEval/1"]
+    assert [case.prompt_id for case in load_prompts("humaneval", 3, offset=1, stride=16)] == [
+        "HumanEval/1", "HumanEval/17", "HumanEval/33"]
     summaries = load_prompts("summarization", 3)
     assert len(summaries) == 3 and all(case.text.endswith("Summary:") for case in summaries)
     long_context = load_prompts("longctx", 20)
