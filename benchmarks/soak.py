@@ -2,6 +2,7 @@
 
     python -m benchmarks.soak --start --clients 30 --minutes 10 --name small     # starts config.small.yaml
     python -m benchmarks.soak --url http://127.0.0.1:8000 --grpc 127.0.0.1:9000  # a running `serve run`
+    MALLOC_ARENA_MAX=2 python -m benchmarks.soak --start ...  # allocator settings reach the actors (--start)
 
 N closed-loop clients each pick their next request at random (seeded) among: HTTP completions and chat,
 streamed and whole; gRPC Generate and GenerateStream; streams cancelled after their first chunk (the
@@ -12,8 +13,8 @@ timeout (HTTP 408, DEADLINE_EXCEEDED). Everything else is an unexpected error.
 
 Reported (results.json, results.md under benchmarks/results/soak-<name>/): requests by kind, outcomes
 (expected vs unexpected, by status), latency p50/p99 by kind, each Ray actor's resident memory (RSS of
-its pid, read through Ray's state API and psutil; only for actors on this machine) after a warm-up and
-at the end, and the KV sessions still open in each actor once the clients stopped (must be 0).
+its pid, read through Ray's state API and psutil; only for actors on this machine) after a warm-up, every
+30 s and at the end, with its slope over the last ``--slope-minutes``, and the KV sessions still open in each actor once the clients stopped (must be 0).
 Not part of the default test run.
 """
 
@@ -322,6 +323,23 @@ def _sessions(stats: dict) -> dict:
     return {role: stats[role].get("active_sessions", stats[role].get("error")) for role in ("target", "drafter")}
 
 
+def rss_slope(samples: list[dict], name: str, window_s: float) -> float | None:
+    """Least-squares slope of one actor's RSS (MiB per minute) over the samples of the last ``window_s``
+    seconds: a leak keeps climbing at the end of a long run, a warming allocator levels off."""
+    points = [(sample["seconds"], sample["rss_mib"].get(name)) for sample in samples]
+    points = [(seconds, rss) for seconds, rss in points if rss is not None]
+    if not points:
+        return None
+    recent = [(seconds, rss) for seconds, rss in points if seconds >= points[-1][0] - window_s]
+    if len(recent) < 3:
+        return None
+    slope, _ = np.polyfit([seconds / 60 for seconds, _ in recent], [rss for _, rss in recent], 1)
+    return float(slope)
+
+
+ALLOCATOR_ENV = ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")  # reach the actors through Ray's env
+
+
 # --- the report ---------------------------------------------------------------------------------------------
 
 def _percentiles(values: list[float]) -> dict:
@@ -385,11 +403,15 @@ def markdown(result: dict) -> str:
     lines += ["", "Latency: send to last byte. Served: ok, or cancelled by the client (to its first chunk). Refused: "
               "the expected answers (400 / INVALID_ARGUMENT for bad input, 429 / RESOURCE_EXHAUSTED, 408 / "
               "DEADLINE_EXCEEDED).", "",
-              "| actor | RSS after warm-up MiB | peak during the run MiB | RSS at end MiB | growth MiB |",
-              "|---|---|---|---|---|"]
+              f"| actor | RSS after warm-up MiB | peak during the run MiB | RSS at end MiB | growth MiB | "
+              f"slope over the last {settings.get('slope_minutes', 30):g} min, MiB/min |",
+              "|---|---|---|---|---|---|"]
     for name, row in summary["memory"].items():
         lines.append(f"| {name} | {number(row['start_mib'])} | {number(row.get('peak_during_mib'))} | "
-                     f"{number(row['end_mib'])} | {number(row['growth_mib'])} |")
+                     f"{number(row['end_mib'])} | {number(row['growth_mib'])} | "
+                     f"{number(row.get('slope_mib_per_min'), 2)} |")
+    if settings.get("allocator_env"):
+        lines += ["", f"Allocator settings of the server's processes: {settings['allocator_env']}"]
     if summary.get("memory_samples"):
         lines += ["", "RSS every 30 s (MiB), per actor: "
                   + "; ".join(f"{name.split(':')[0]}: " + " ".join(number(sample['rss_mib'].get(name))
@@ -424,6 +446,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--settle", type=float, default=60.0, help="seconds to wait for sessions to close")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slope-minutes", type=float, default=30.0,
+                        help="the RSS slope is fitted over this many last minutes of the run")
     parser.add_argument("--name", default="soak", help="names the result folder: soak-<name>")
     parser.add_argument("--note", default="")
     parser.add_argument("--out", type=Path)
@@ -458,12 +482,16 @@ async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
     for name, row in summary["memory"].items():
         during = [sample["rss_mib"].get(name) for sample in memory_samples]
         row["peak_during_mib"] = max((value for value in during if value is not None), default=None)
+    for name, row in summary["memory"].items():
+        row["slope_mib_per_min"] = rss_slope(memory_samples, name, args.slope_minutes * 60)
     summary["warmup"] = [{"kind": outcome.kind, "status": outcome.status, "expected": outcome.expected,
                           "detail": outcome.detail} for outcome in warmup]
     summary["health_after"] = health
     return {"settings": {"name": args.name, "url": url, "grpc": grpc_target, "model": model, "clients": args.clients,
                          "seconds": args.minutes * 60, "max_new_tokens": args.max_new_tokens, "mix": MIX,
-                         "seed": args.seed}, "summary": summary}
+                         "seed": args.seed, "slope_minutes": args.slope_minutes,
+                         "allocator_env": {key: os.environ[key] for key in ALLOCATOR_ENV if key in os.environ}},
+            "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> dict:

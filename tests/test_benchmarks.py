@@ -287,3 +287,13 @@ def test_batch_bench_end_to_end_on_the_small_pair(tmp_path):
             if name != "hf-batched":  # transformers' padded batch may round differently; ours is compared exactly
                 assert entry["equal_to_batch_1"] == row["batch_size"], name
     assert (tmp_path / "throughput.png").stat().st_size > 0 and "| 2 |" in (tmp_path / "README.md").read_text()
+
+
+def test_soak_rss_slope_fits_the_last_minutes_only():
+    from benchmarks.soak import rss_slope
+
+    # 40 minutes: RSS climbs 10 MiB/min for 10 minutes (warming up), then flat at 500 MiB
+    samples = [{"seconds": 60 * minute, "rss_mib": {"target": 400 + 10 * min(minute, 10)}} for minute in range(41)]
+    assert rss_slope(samples, "target", 30 * 60) == pytest.approx(0.0, abs=1e-9)
+    assert rss_slope(samples, "target", 45 * 60) > 0  # the whole run still shows the warm-up
+    assert rss_slope(samples, "drafter", 30 * 60) is None and rss_slope(samples[:2], "target", 30 * 60) is None
