@@ -4,8 +4,8 @@
    admits, both serving; back to one once the load stops. No request fails, is cut, or differs from the
    library's greedy tokens during either transition, and the removed replica's actors, placement group and
    KV sessions are gone. The timeline (``-s``) says when each step happened; nothing asserts on timing.
-2. Routing that uses the capacity there is: two replicas, a load above one replica's admission but below
-   both together, and not one 429 (Serve's max_ongoing_requests is what a replica admits: deployments/app.py).
+2. Routing that uses the capacity there is: two replicas, a load above one replica's admission and well
+   below both together, and not one 429 (Serve's max_ongoing_requests is what a replica admits: deployments/app.py).
 
 Replicas are told apart by their Serve log files (one per replica, ``request done`` once per finished request).
 """
@@ -296,13 +296,15 @@ def test_load_adds_a_pipeline_that_serves_and_its_end_removes_it_with_every_answ
 
 
 def test_two_pipelines_below_their_capacity_never_answer_429(two_pipelines_app, reference):
-    # each replica admits 3 (2 running + 1 waiting): 5 clients are above one replica's room, below both's 6;
-    # 2 of them over gRPC, whose proxy routes apart from the HTTP proxy (neither sees the other's requests)
-    with ClosedLoop(two_pipelines_app, clients=5, requests_each=4, grpc_clients=2) as load:
+    # each replica admits 3 (2 running + 1 waiting): 4 clients are above one replica's room, below both's 6;
+    # 2 of them over gRPC, whose proxy routes apart from the HTTP proxy (neither sees the other's requests).
+    # Not 5: with one request of headroom, the two proxies' stale queue lengths sent a 4th request to a full
+    # replica once in 20 (a 429; docs/deploy.md "Routing" says routing across proxies is not exact).
+    with ClosedLoop(two_pipelines_app, clients=4, requests_each=5, grpc_clients=2) as load:
         load.join()
     statuses = sorted({outcome.status for outcome in load.outcomes})
     finished = _finished_by_replica()
-    print(f"\ntwo replicas, 5 clients (2 gRPC) x 4 requests: statuses {statuses}, finished by replica {finished}")
+    print(f"\ntwo replicas, 4 clients (2 gRPC) x 5 requests: statuses {statuses}, finished by replica {finished}")
     assert len(load.outcomes) == 20
     assert not [outcome for outcome in load.outcomes if outcome.status == 429], "a 429 below total capacity"
     assert not _wrong(load.outcomes, reference), _wrong(load.outcomes, reference)[:3]
