@@ -14,9 +14,9 @@ Terms used in the results:
   below 1 means the baseline ran while the machine was slower than during the other runs, and every
   speedup and efficiency of that prompt is inflated by as much.
 
-Prices come from the runs themselves: the median time of every forward of that size, pooled over all
-methods on the prompt (hundreds of calls interleaved with the runs), so every method pays the same price
-for the same pass. The isolated costs (``pass_costs``: one context, a few repeats, measured once after
+Prices come from the runs themselves: for each size, the median over the prompt's runs of each run's
+median time for that size (hundreds of calls interleaved with the runs; each run counts once), so every
+method pays the same price for the same pass. The isolated costs (``pass_costs``: one context, a few repeats, measured once after
 the runs) only fill sizes seen fewer than ``MIN_PRICE_SAMPLES`` times: on a shared CPU a single slow
 isolated sample had made ``ar``'s one-token pass dearer than a two-token one and pushed measured/ideal to
 1.2-1.3 (results/realistic-humaneval-int8-drafter).
@@ -132,7 +132,8 @@ def ideal_seconds(record: RunRecord, target_costs: dict[int, float], drafter_cos
 
 
 def per_prompt_speedups(records: list[RunRecord], baseline: str, costs: dict[str, dict] | None) -> dict:
-    """{(prompt_id, method): {"speedup": measured, "ideal": ideal or None}} relative to ``baseline``."""
+    """{(prompt_id, method): {"speedup": measured, "ideal": ideal or None, "priced_share": ... or None}}
+    relative to ``baseline``."""
     by_prompt = defaultdict(dict)
     for record in records:
         by_prompt[record.prompt_id][record.method] = record
@@ -141,17 +142,18 @@ def per_prompt_speedups(records: list[RunRecord], baseline: str, costs: dict[str
         base = methods.get(baseline)
         if base is None:
             continue
-        prompt_costs = pass_prices(list(methods.values()), costs[prompt_id]) if costs and prompt_id in costs else None
+        forward_seconds = {}  # each run's forwards at the prompt's prices (ideal_seconds), once per run
+        if costs and prompt_id in costs:
+            prices = pass_prices(list(methods.values()), costs[prompt_id])
+            forward_seconds = {name: ideal_seconds(record, prices["target"], prices["drafter"])
+                               for name, record in methods.items()}
         for name, record in methods.items():
             speedup = (base.seconds / len(base.token_ids)) / (record.seconds / len(record.token_ids))
-            ideal = None
-            if prompt_costs:
-                base_ideal = ideal_seconds(base, prompt_costs["target"], prompt_costs["drafter"])
-                ideal = ((base_ideal / len(base.token_ids))
-                         / (ideal_seconds(record, prompt_costs["target"], prompt_costs["drafter"])
-                            / len(record.token_ids)))
-            priced_share = (ideal_seconds(record, prompt_costs["target"], prompt_costs["drafter"]) / record.seconds
-                            if prompt_costs else None)
+            ideal = priced_share = None
+            if forward_seconds:
+                ideal = ((forward_seconds[baseline] / len(base.token_ids))
+                         / (forward_seconds[name] / len(record.token_ids)))
+                priced_share = forward_seconds[name] / record.seconds
             result[(prompt_id, name)] = {"speedup": speedup, "ideal": ideal, "priced_share": priced_share}
     return result
 

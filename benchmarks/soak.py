@@ -482,7 +482,6 @@ async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
     for name, row in summary["memory"].items():
         during = [sample["rss_mib"].get(name) for sample in memory_samples]
         row["peak_during_mib"] = max((value for value in during if value is not None), default=None)
-    for name, row in summary["memory"].items():
         row["slope_mib_per_min"] = rss_slope(memory_samples, name, args.slope_minutes * 60)
     summary["warmup"] = [{"kind": outcome.kind, "status": outcome.status, "expected": outcome.expected,
                           "detail": outcome.detail} for outcome in warmup]
