@@ -59,6 +59,7 @@ class Ticket:
         self._turn = turn  # None: admitted at once; else resolved when a slot is handed over
         self.kv_bytes = kv_bytes
         self._released = False
+        self._release_pending = False  # release_after took it: only its close wait releases the slot
 
     @property
     def holds_slot(self) -> bool:
@@ -90,6 +91,9 @@ class Ticket:
 
         admission = self._admission
         admission.closing += 1
+        # a caller's own release() from here on (an HTTP stream's response ending) must not hand the slot on
+        # before the closes land
+        self._release_pending = True
 
         async def release_when_closed() -> None:
             try:
@@ -98,7 +102,7 @@ class Ticket:
                 pass
             finally:
                 admission.closing -= 1
-                self.release()
+                self._release_now()
 
         # a task of its own: the request's task may be being cancelled, this must still run
         task = asyncio.get_running_loop().create_task(release_when_closed())
@@ -106,6 +110,11 @@ class Ticket:
         task.add_done_callback(self._admission._releasing.discard)
 
     def release(self) -> None:
+        """Give the claim back now, unless ``release_after`` already will (then a no-op)."""
+        if not self._release_pending:
+            self._release_now()
+
+    def _release_now(self) -> None:
         if self._released:
             return
         held = self.holds_slot

@@ -30,7 +30,7 @@ from typing import AsyncIterator, Awaitable, Callable, Iterator, Protocol
 from ray.exceptions import ActorDiedError, RayActorError
 
 from hetspec.algorithms import Algorithm, Draft
-from hetspec.align import complete_utf8_length
+from hetspec.align import ends_at_character
 from hetspec.decoder import Progress
 from hetspec.output import Stats, StreamEvent
 
@@ -75,10 +75,6 @@ class Step:
     alignment_seconds: float
     speculation: str | None  # "hit", "miss" or None when no speculative draft was waiting
     source: str = "drafter"  # the draft's: "drafter" or "lookup" (hetspec/lookup.py)
-
-
-def _complete(text: bytes) -> bool:
-    return complete_utf8_length(text) == len(text)
 
 
 class _Speculation:
@@ -337,7 +333,7 @@ class DecodeLoop:
         policy = copy.copy(self.progress.policy)
         policy.update(len(candidates), len(candidates))
         next_k = min(policy.k, remaining - len(candidates) - 1 - 1)
-        if next_k <= 0 or not _complete(assumed):
+        if next_k <= 0 or not ends_at_character(assumed):
             return None
         first_position = self.progress.position + len(candidates)  # the bonus token's position
         return _Speculation(self._draft(assumed, next_k + 1, first_position, speculative=True), list(candidates),

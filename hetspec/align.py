@@ -29,6 +29,12 @@ def complete_utf8_length(data: bytes) -> int:
     return len(data)
 
 
+def ends_at_character(data: bytes) -> bool:
+    """``data`` does not end inside a UTF-8 character: a draft may start from it (the drafter, a context
+    lookup and a pipelined draft all continue text, never half a character)."""
+    return complete_utf8_length(data) == len(data)
+
+
 def text_window(ids: Sequence[int], table: Sequence[bytes | None], max_tokens: int) -> tuple[int, bytes]:
     """The last ``max_tokens`` ids that stand for text, stopping at a special token; their start and bytes.
 
@@ -123,7 +129,7 @@ class DrafterContext:
         if keep == len(self.generated_ids) and start == len(committed):
             return len(self.ids)
         anchor = max(0, keep - self.window)
-        while anchor and complete_utf8_length(committed[:self.ends[anchor - 1]]) != self.ends[anchor - 1]:
+        while anchor and not ends_at_character(committed[:self.ends[anchor - 1]]):
             anchor -= 1  # a byte token ends inside a character there: re-tokenize from a character boundary
         anchor_offset = self.ends[anchor - 1] if anchor else 0
         # Sampling can commit bytes that are not UTF-8 (a byte token where no character continues): the drafter

@@ -23,7 +23,7 @@ import torch
 
 from hetspec.adaptive import LoadAdaptive
 from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
-from hetspec.align import complete_utf8_length
+from hetspec.align import ends_at_character
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
 from hetspec.kv import Feed, Steps, forward, run_lockstep
 from hetspec.lookup import ContextLookup, prompt_text
@@ -135,7 +135,7 @@ class Progress:
         remaining = self.params.max_new_tokens - self.position
         k = min(self.policy.k, remaining - 1, self.policy.k if cap is None else cap)
         committed = self.committed
-        if not can_draft or k <= 0 or complete_utf8_length(committed) != len(committed):
+        if not can_draft or k <= 0 or not ends_at_character(committed):
             return 0
         return k
 
@@ -143,7 +143,7 @@ class Progress:
         """This step's context-lookup draft (hetspec/lookup.py), already target ids, or None when the drafter
         (or the target alone) has the step. The one place both runtimes get a lookup draft from."""
         committed = self.committed
-        if self.lookup is None or complete_utf8_length(committed) != len(committed):
+        if self.lookup is None or not ends_at_character(committed):
             return None
         tick = time.perf_counter()
         candidates = self.lookup.propose(committed, committed_target_ids,

@@ -142,6 +142,22 @@ class TestAdmission:
 
         asyncio.run(scenario())
 
+    def test_a_release_after_the_closes_were_handed_on_waits_for_them(self):
+        # an HTTP stream's response releases its tickets when the body ends; the coordinator has already
+        # handed the ticket to release_after, whose close wait must decide when the slot is free
+        async def scenario():
+            admission = Admission(max_running=1, max_waiting=1, retry_after_s=1)
+            ticket = admission.admit()
+            closed = asyncio.get_running_loop().create_future()
+            ticket.release_after([closed])
+            ticket.release()
+            assert admission.running == 1
+            closed.set_result(True)
+            await admission.closes_done()
+            assert (admission.running, admission.closing) == (0, 0)
+
+        asyncio.run(scenario())
+
     def test_a_slot_still_closing_lends_the_line_a_place(self):
         # Serve's router counts a request gone once its response ends, before its sessions are closed, and
         # may send the next one at once: max_ongoing_requests = running + waiting must never be turned away.

@@ -22,7 +22,7 @@ import torch
 from hetspec.algorithms.base import Draft, DrafterSide, PairMaps
 from hetspec.kv import Steps
 from hetspec.algorithms.tli import TokenLevelIntersection
-from hetspec.align import complete_utf8_length
+from hetspec.align import ends_at_character
 from hetspec.config import SamplingParams
 from hetspec.sampling import Stream, logits_to_probs, sample_from, uniform
 
@@ -54,7 +54,7 @@ class StringLevelRejectionSampling(TokenLevelIntersection):
         if drafter_id >= 0:
             drafter.context.push(drafter_id)
             return True
-        if complete_utf8_length(committed) != len(committed):
+        if not ends_at_character(committed):
             return False  # the candidate ends inside a character: the drafter cannot continue from it
         drafter.sync(committed)  # t is a prefix of the drafted string: re-tokenize that text
         return True
