@@ -84,15 +84,19 @@ def _conversion_dir(gguf_path: Path, kind: str) -> Path:
     return registry.cache_dir() / "converted" / f"{key}-{kind}"
 
 
+def _gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
+    tokenizer_dir = _conversion_dir(gguf_path, "tokenizer")
+    if (tokenizer_dir / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    _save_atomically(tokenizer, tokenizer_dir)
+    return tokenizer
+
+
 def _load_gguf(gguf_path: Path, dtype: str) -> tuple[PreTrainedTokenizerBase, torch.nn.Module]:
     """GGUF conversion is slow (Gemma's 262k-token tokenizer ~25 s, de-quantisation up to a minute):
     do it once per file and dtype, keep the result as a transformers folder, load that afterwards."""
-    tokenizer_dir = _conversion_dir(gguf_path, "tokenizer")
-    if (tokenizer_dir / "tokenizer_config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        _save_atomically(tokenizer, tokenizer_dir)
+    tokenizer = _gguf_tokenizer(gguf_path)
     model_dir = _conversion_dir(gguf_path, dtype)
     if (model_dir / "config.json").exists():
         return tokenizer, AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
@@ -135,6 +139,12 @@ def resolve_source(spec: str, progress: Callable[[str], None] | None = None) -> 
         return spec, None  # a Hugging Face model id
     known = ", ".join(sorted(registry.OFFLINE_MODELS))
     raise ValueError(f"model {spec!r} is not a short name ({known}), a .gguf file, a folder or a hub id")
+
+
+def load_tokenizer(spec: str, progress: Callable[[str], None] | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``load_model(spec)`` alone, without the weights (text tools, benchmarks' replays)."""
+    location, gguf_file = resolve_source(spec, progress)
+    return _gguf_tokenizer(Path(location) / gguf_file) if gguf_file else AutoTokenizer.from_pretrained(location)
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: int | None = None,

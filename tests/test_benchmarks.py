@@ -298,3 +298,23 @@ def test_soak_rss_slope_fits_the_last_minutes_only():
     assert rss_slope(samples, "target", 30 * 60) == pytest.approx(0.0, abs=1e-9)
     assert rss_slope(samples, "target", 45 * 60) > 0  # the whole run still shows the warm-up
     assert rss_slope(samples, "drafter", 30 * 60) is None and rss_slope(samples[:2], "target", 30 * 60) is None
+
+
+def test_lookup_replay_copies_repeated_text_and_uses_the_cache(gemma):
+    """benchmarks/lookup_potential.py: an output that repeats its prompt is copied many tokens per pass; one that
+    repeats only another request's text gains from the cache alone; text found nowhere costs a pass per token."""
+    from benchmarks.lookup_potential import replay
+    from hetspec.config import SpeculationConfig
+    from hetspec.vocab import token_bytes
+
+    table, speculation = token_bytes(gemma.tokenizer), SpeculationConfig(lookup="always")
+    code = "def running_total(values):\n    total = 0\n    for value in values:\n        total += value\n    return total\n"
+    other = "import math\n\ndef hypotenuse(first, second):\n    return math.sqrt(first * first + second * second)\n"
+    prompt_ids = gemma.encode_prompt("# a helper, twice:\n" + code)
+    copied = replay(gemma.encode(code), prompt_ids, b"", gemma.tokenizer, table, speculation)
+    assert copied["tokens"] == len(gemma.encode(code)) and copied["tokens_per_pass"] > 3
+    assert copied["accepted"] + copied["target_passes"] == copied["tokens"]  # each pass: accepted + the target's own
+    without_cache = replay(gemma.encode(other), prompt_ids, b"", gemma.tokenizer, table, speculation)
+    with_cache = replay(gemma.encode(other), prompt_ids, other.encode(), gemma.tokenizer, table, speculation)
+    assert without_cache["accepted"] == 0 and without_cache["tokens_per_pass"] == 1.0
+    assert with_cache["tokens_per_pass"] > 3
