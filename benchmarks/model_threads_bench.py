@@ -11,7 +11,12 @@ times single-token forwards (KV cache, 200-token context):
   deployments/model_threads.py;
 - ``first lane``: ``ModelThreads`` (loads on its first lane, runs there), alone;
 - ``first lane after a burst``: the same after two calls at once (a side lane came and went);
-- ``first lane, other requests in flight``: a one-thread share, as while the other model holds requests.
+- ``first lane, other requests in flight``: a one-thread share, as while the other model holds requests;
+- ``batched, from the callers' threads``: two requests decoding through ``hetspec.kv.SharedPasses`` (one pass
+  of 2 rows per token, as a served worker batches them) driven from two caller threads, the way an actor's
+  call threads would drive it without ``ModelThreads``; ms per pass;
+- ``batched, on ModelThreads``: the same with the passes on ``ModelThreads`` (``execute=lanes.run``), as
+  deployments/workers.py runs them.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 SETTINGS = ["loading thread", "second thread", "first lane", "first lane after a burst",
-            "first lane, other requests in flight"]
+            "first lane, other requests in flight", "batched, from the callers' threads", "batched, on ModelThreads"]
+CALLERS = 2  # requests decoding together in the batched settings
 
 
 def _token_ms(language_model, tokens: int) -> float:
@@ -41,6 +47,41 @@ def _token_ms(language_model, tokens: int) -> float:
         session.release()
 
 
+def _decode(session, first_id: int, tokens: int):
+    """One request's greedy decoding as ``SharedPasses`` computations take it: a Feed per token."""
+    from hetspec.kv import Feed
+
+    next_id = first_id
+    for _ in range(tokens):
+        logits = yield Feed(session, [next_id])
+        next_id = int(logits[-1].argmax())
+    return next_id
+
+
+def _prefill(session, offset: int):
+    from hetspec.kv import Feed
+
+    logits = yield Feed(session, list(range(100 + offset, 300 + offset)))  # a 200-token context
+    return int(logits[-1].argmax())
+
+
+def _batched_pass_ms(passes, language_model, tokens: int) -> float:
+    """Milliseconds per shared pass while ``CALLERS`` requests decode ``tokens`` tokens each from their own
+    threads (a pass feeds one token of every request)."""
+    sessions = [language_model.new_session() for _ in range(CALLERS)]
+    try:
+        with ThreadPoolExecutor(CALLERS) as callers:
+            first = list(callers.map(lambda index: passes.run(_prefill(sessions[index], index)), range(CALLERS)))
+            list(callers.map(lambda index: passes.run(_decode(sessions[index], first[index], 3)), range(CALLERS)))
+            started, before = time.perf_counter(), passes.passes
+            list(callers.map(lambda index: passes.run(_decode(sessions[index], first[index], tokens)),
+                             range(CALLERS)))
+            return (time.perf_counter() - started) / (passes.passes - before) * 1000
+    finally:
+        for session in sessions:
+            session.release()
+
+
 def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: int) -> float:
     """Milliseconds per token in this process for ``setting``."""
     from deployments.model_threads import ModelThreads
@@ -49,6 +90,11 @@ def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: in
     def load():
         return load_model(model_id, quantize=quantize, threads=threads)
 
+    if setting == "batched, from the callers' threads":
+        from hetspec.kv import SharedPasses
+
+        model = ThreadPoolExecutor(1).submit(load).result()
+        return _batched_pass_ms(SharedPasses(model), model, tokens)
     if setting in ("loading thread", "second thread"):
         loader, runner = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
         model = loader.submit(load).result()
@@ -64,6 +110,10 @@ def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: in
             list(callers.map(lambda _: lanes.run(_token_ms, model, 10), range(2)))
     if setting == "first lane, other requests in flight":
         in_flight[0] = 2
+    if setting == "batched, on ModelThreads":
+        from hetspec.kv import SharedPasses
+
+        return _batched_pass_ms(SharedPasses(model, execute=lanes.run), model, tokens)
     return lanes.run(_token_ms, model, tokens)[0]
 
 
