@@ -293,7 +293,10 @@ def actor_memory() -> dict[str, dict] | None:
     for actor in actors:
         name = f"{actor.class_name}:{actor.actor_id[:8]}"
         try:
-            memory[name] = {"pid": actor.pid, "rss_mib": psutil.Process(actor.pid).memory_info().rss / 2**20}
+            process = psutil.Process(actor.pid)
+            environment = process.environ()  # the actor's own: a config's worker_env_vars reach only its workers
+            memory[name] = {"pid": actor.pid, "rss_mib": process.memory_info().rss / 2**20,
+                            "allocator": {key: environment[key] for key in ALLOCATOR_ENV if key in environment}}
         except (psutil.Error, TypeError):
             memory[name] = {"pid": actor.pid, "rss_mib": None}  # on another machine
     return memory
@@ -367,7 +370,8 @@ def summarize(outcomes: list[Outcome], memory_start: dict | None, memory_end: di
         start = (memory_start or {}).get(name, {}).get("rss_mib")
         end = (memory_end or {}).get(name, {}).get("rss_mib")
         memory[name] = {"start_mib": start, "end_mib": end,
-                        "growth_mib": end - start if start is not None and end is not None else None}
+                        "growth_mib": end - start if start is not None and end is not None else None,
+                        "allocator": (memory_end or memory_start or {}).get(name, {}).get("allocator") or {}}
     leaked = sum(value for replica in sessions.values() for value in replica["open_sessions"].values()
                  if isinstance(value, int))
     return {"requests": len(outcomes), "unexpected_errors": sum(not o.expected for o in outcomes),
@@ -404,14 +408,16 @@ def markdown(result: dict) -> str:
               "the expected answers (400 / INVALID_ARGUMENT for bad input, 429 / RESOURCE_EXHAUSTED, 408 / "
               "DEADLINE_EXCEEDED).", "",
               f"| actor | RSS after warm-up MiB | peak during the run MiB | RSS at end MiB | growth MiB | "
-              f"slope over the last {settings.get('slope_minutes', 30):g} min, MiB/min |",
-              "|---|---|---|---|---|---|"]
+              f"slope over the last {settings.get('slope_minutes', 30):g} min, MiB/min | allocator settings |",
+              "|---|---|---|---|---|---|---|"]
     for name, row in summary["memory"].items():
+        allocator = ", ".join(f"{key}={value}" for key, value in row.get("allocator", {}).items()) or "glibc default"
         lines.append(f"| {name} | {number(row['start_mib'])} | {number(row.get('peak_during_mib'))} | "
                      f"{number(row['end_mib'])} | {number(row['growth_mib'])} | "
-                     f"{number(row.get('slope_mib_per_min'), 2)} |")
+                     f"{number(row.get('slope_mib_per_min'), 2)} | {allocator} |")
     if settings.get("allocator_env"):
-        lines += ["", f"Allocator settings of the server's processes: {settings['allocator_env']}"]
+        lines += ["", f"Allocator settings of the soak's own environment (a started Ray passes them to every "
+                  f"process): {settings['allocator_env']}"]
     if summary.get("memory_samples"):
         lines += ["", "RSS every 30 s (MiB), per actor: "
                   + "; ".join(f"{name.split(':')[0]}: " + " ".join(number(sample['rss_mib'].get(name))

@@ -32,6 +32,8 @@ def _actor_options(resources: ActorResources, config: AppConfig, bundle_index: i
                      "max_concurrency": config.pipeline.actor_max_concurrency}  # threads: requests interleave
     if resources.memory_bytes:
         options["memory"] = resources.memory_bytes
+    if config.pipeline.worker_env_vars:  # Ray merges these into the replica's runtime_env for the actor
+        options["runtime_env"] = {"env_vars": dict(config.pipeline.worker_env_vars)}
     group = ray.util.get_current_placement_group()
     if group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
