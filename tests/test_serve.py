@@ -303,6 +303,21 @@ def test_placement_strict_spread_puts_each_on_its_own_node(served_app):  # noqa:
     assert len(set(nodes.values())) == 3, nodes  # coordinator, drafter and target: three different nodes
 
 
+def test_worker_env_vars_are_the_model_actors_environment(served_app):  # noqa: F811
+    """pipeline.worker_env_vars (how a deployment preloads an allocator, docs/deploy.md) are set in the drafter's
+    and the target's processes."""
+    import os
+
+    import ray
+    from ray import serve
+
+    expected = served_app.args["pipeline"]["worker_env_vars"]
+    handle = serve.get_deployment_handle("HetSpecServer", app_name="hetspec")
+    for role, actor in handle.actor_handles.remote().result(timeout_s=60).items():
+        seen = ray.get(actor.__ray_call__.remote(lambda worker: {name: os.environ.get(name) for name in expected}))
+        assert seen == expected, role
+
+
 def test_client_sends_the_application_metadata(served_app):  # noqa: F811
     import subprocess
     import sys
