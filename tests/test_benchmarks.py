@@ -318,3 +318,23 @@ def test_lookup_replay_copies_repeated_text_and_uses_the_cache(gemma):
     with_cache = replay(gemma.encode(other), prompt_ids, other.encode(), gemma.tokenizer, table, speculation)
     assert without_cache["accepted"] == 0 and without_cache["tokens_per_pass"] == 1.0
     assert with_cache["tokens_per_pass"] > 3
+
+
+def test_heap_probe_reports_python_and_native_memory_of_a_worker():
+    """benchmarks/heap_probe.py's probe, run in this process on a stand-in worker: the second probe compares with
+    the first, and memory allocated in between shows up among the grown sites."""
+    import tracemalloc
+    from types import SimpleNamespace
+
+    from benchmarks.heap_probe import _probe, _start
+
+    worker = SimpleNamespace()
+    assert _start(worker)
+    try:
+        first = _probe(worker)
+        kept = [bytearray(1024) for _ in range(2048)]  # 2 MiB of Python allocations kept alive
+        second = _probe(worker)
+    finally:
+        tracemalloc.stop()
+    assert first["grown_kib"] == [] and first["rss_anon"].endswith("kB") and first["objects"] > 0
+    assert second["traced_mib"] >= 2 and second["grown_kib"][0][0] >= 2048 and len(kept) == 2048
