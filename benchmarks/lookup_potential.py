@@ -95,8 +95,9 @@ def main() -> None:
     reference = {run["prompt_id"]: run["token_ids"] for run in results["runs"] if run["method"] == "ar"}
     measured = {run["prompt_id"]: run["tokens_per_target_pass"] for run in results["runs"]
                 if run["method"] == "ar+lookup-auto"}
-    cases = {case.prompt_id: case for case in load_prompts(settings["task"], settings["num_prompts"],
-                                                           settings.get("prompt_offset", 0), settings.get("prompt_stride", 1))}
+    chosen = load_prompts(settings["task"], settings["num_prompts"], settings.get("prompt_offset", 0),
+                          settings.get("prompt_stride", 1))
+    cases = {case.prompt_id: case for case in chosen}
     tokenizer = load_tokenizer(settings["target"])
     table = token_bytes(tokenizer)
     speculation = SpeculationConfig(lookup="always")
@@ -124,7 +125,8 @@ def main() -> None:
                            if row["measured_lookup_auto_tokens_per_pass"] and kind == "none"]
         measured_mean = f"{statistics.geometric_mean(measured_values):.3f}" if measured_values else "-"
         kib = statistics.mean(row["cache_bytes"] for row in mine) / 1024
-        lines.append(f"| {kind} | {kib:.0f} | {mean:.3f} | {steps} | {accepted / max(1, steps):.2f} | {ratio:.2f} | {measured_mean} |")
+        lines.append(f"| {kind} | {kib:.0f} | {mean:.3f} | {steps} | {accepted / max(1, steps):.2f} | {ratio:.2f} | "
+                     f"{measured_mean} |")
     table_text = "\n".join(lines)
     print(table_text)
     if args.out:

@@ -7,6 +7,7 @@ KubeRay manifest that embeds it fails at deploy time with the field's name, not 
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal, Mapping
 
 from pydantic import (ConfigDict, Field, SecretStr, SerializationInfo, ValidationError, field_serializer, field_validator,
@@ -62,6 +63,15 @@ class PipelineConfig(StrictModel):
     prefill_chunk_tokens: int = Field(128, ge=1, le=65536, description=(
         "A new request's prompt is fed in passes of at most this many tokens, each a pass of its own between "
         "the other requests' passes, so a long prompt does not stall their decoding."))
+
+    @field_validator("worker_env_vars")
+    @classmethod
+    def _env_names(cls, env_vars: dict[str, str]) -> dict[str, str]:
+        for name in env_vars:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not an environment variable name (letters, digits and _, "
+                                 "not starting with a digit)")
+        return env_vars
 
 
 class CorsConfig(StrictModel):

@@ -308,7 +308,8 @@ def test_lookup_replay_copies_repeated_text_and_uses_the_cache(gemma):
     from hetspec.vocab import token_bytes
 
     table, speculation = token_bytes(gemma.tokenizer), SpeculationConfig(lookup="always")
-    code = "def running_total(values):\n    total = 0\n    for value in values:\n        total += value\n    return total\n"
+    code = ("def running_total(values):\n    total = 0\n    for value in values:\n        total += value\n"
+            "    return total\n")
     other = "import math\n\ndef hypotenuse(first, second):\n    return math.sqrt(first * first + second * second)\n"
     prompt_ids = gemma.encode_prompt("# a helper, twice:\n" + code)
     copied = replay(gemma.encode(code), prompt_ids, b"", gemma.tokenizer, table, speculation)

@@ -66,6 +66,22 @@ def test_app_config_rejects_unknown_fields_by_name():
         AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"max_session": 3}})
 
 
+def test_worker_env_vars_become_the_model_actors_runtime_env(monkeypatch):
+    import ray
+
+    from deployments.actors import _actor_options
+
+    monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)  # asking would start Ray
+    preload = {"LD_PRELOAD": "libjemalloc.so.2"}
+    config = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"worker_env_vars": preload}})
+    options = _actor_options(config.target_resources, config, 2)
+    assert options["runtime_env"] == {"env_vars": preload}
+    assert "runtime_env" not in _actor_options(config.target_resources, AppConfig.model_validate(SMALL_PAIR), 2)
+    for bad in ("", "1ST", "LD PRELOAD", "A=B"):
+        with pytest.raises(ValidationError, match="pipeline.worker_env_vars"):
+            AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"worker_env_vars": {bad: "x"}}})
+
+
 def test_app_config_rejects_cuda_without_a_gpu():
     with pytest.raises(ValidationError, match="target_resources.num_gpus is 0"):
         AppConfig.model_validate({**SMALL_PAIR, "target": {"model": "gemma3-270m", "device": "cuda"}})
