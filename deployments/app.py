@@ -48,6 +48,11 @@ class HetSpecServer(GrpcMethods):
         """Serve's health check: a dead actor is replaced here; only a failed replacement makes us unhealthy."""
         await self.pipeline.check()
 
+    def record_routing_stats(self) -> dict[str, int]:
+        """What Serve hands our request router (deployments/routing.py) about this replica: what its admission
+        takes now (a user_config may have changed the limits since the deployment's options were set)."""
+        return {"capacity": replica_capacity(self.coordinator.config.limits)}
+
     async def actor_nodes(self) -> dict[str, str | None]:
         """The node ids of this replica's actors (placement checks)."""
         target, drafter = await asyncio.gather(self.pipeline.target.call("node_id"),
@@ -66,9 +71,11 @@ def replica_capacity(limits: LimitsConfig) -> int:
 
 # Serve's max_ongoing_requests is the replica's capacity plus these: /health, /v1/models and /v1/stats count as
 # ongoing, and set exactly at the capacity they queued behind generations on a full replica (a stats poll then
-# held a slot a waiting request needed: tests/test_limits_serve.py). The replica's admission answers what lands
-# beyond its capacity (429 with Retry-After); Serve's router prefers the less loaded of two replicas.
+# held a slot a waiting request needed: tests/test_limits_serve.py). Generations are kept within the capacity
+# by our request router (deployments/routing.py), and the replica's admission answers any beyond (429).
 CONTROL_SLOTS = 8
+# How often a replica reports its capacity to the routers (Serve's default is 10 s)
+ROUTING_STATS_PERIOD_S = 5.0
 
 
 def autoscaling_options(scaling: AutoscalingConfig) -> dict:
@@ -81,6 +88,7 @@ def deployment_options(config: AppConfig) -> dict:
     """Serve options of the deployment.
 
     ``max_ongoing_requests`` is what the replica's admission takes (``replica_capacity``) plus ``CONTROL_SLOTS``;
+    generations go where the admission has room (``request_router_config``: deployments/routing.py);
     Serve's ``max_queued_requests`` bounds what each proxy holds when every replica is full or still starting,
     answered 429 with Retry-After.
     """
@@ -100,6 +108,9 @@ def deployment_options(config: AppConfig) -> dict:
         "max_queued_requests": scaling.max_queued_requests,
         "backpressure_config": {"status_code": 429, "retry_after_s": limits.retry_after_s},
         "autoscaling_config": autoscaling_options(scaling),
+        "request_router_config": {"request_router_class": "deployments.routing.RoomRouter",
+                                  "request_router_kwargs": {"capacity": replica_capacity(limits)},
+                                  "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
         "health_check_period_s": config.lifecycle.health_check_period_s,
         "health_check_timeout_s": config.lifecycle.health_check_timeout_s,
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,

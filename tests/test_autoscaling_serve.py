@@ -4,8 +4,9 @@
    admits, both serving; back to one once the load stops. No request fails, is cut, or differs from the
    library's greedy tokens during either transition, and the removed replica's actors, placement group and
    KV sessions are gone. The timeline (``-s``) says when each step happened; nothing asserts on timing.
-2. Routing that uses the capacity there is: two replicas, a load above one replica's admission and well
-   below both together, and not one 429 (Serve's max_ongoing_requests is what a replica admits: deployments/app.py).
+2. Routing that uses the capacity there is: two replicas, as many closed-loop clients as both admit together
+   (HTTP and gRPC), and not one 429 (the request router sends a generation where the admission has room:
+   deployments/routing.py).
 
 Replicas are told apart by their Serve log files (one per replica, ``request done`` once per finished request).
 """
@@ -43,8 +44,8 @@ STATE_DEADLINE_S = 420.0  # a new pipeline loads two models on busy cores; gener
 # One replica admits 2 + 1 requests (deployments/app.py, replica_capacity); the loads below are measured in it.
 LIMITS = {"max_running_requests": 2, "max_waiting_requests": 1, "default_max_new_tokens": NEW_TOKENS,
           "request_timeout_s": 300}
-# While the second pipeline loads, the first holds every client: its line is long enough for all of them (Serve
-# sends a replica up to its capacity plus app.CONTROL_SLOTS, and the replica answers what is beyond with 429).
+# While the second pipeline loads, the first holds every client: its line is long enough for all of them (with
+# every replica full the request router sends the request anyway, and the replica answers 429).
 SCALING_LIMITS = {**LIMITS, "max_waiting_requests": 4}
 
 
@@ -295,17 +296,17 @@ def test_load_adds_a_pipeline_that_serves_and_its_end_removes_it_with_every_answ
     assert stats["target"]["kv_reserved_bytes"] == stats["drafter"]["kv_reserved_bytes"] == 0, stats
 
 
-def test_two_pipelines_below_their_capacity_never_answer_429(two_pipelines_app, reference):
-    # each replica admits 3 (2 running + 1 waiting): 4 clients are above one replica's room, below both's 6;
-    # 2 of them over gRPC, whose proxy routes apart from the HTTP proxy (neither sees the other's requests).
-    # Not 5: with one request of headroom, the two proxies' stale queue lengths sent a 4th request to a full
-    # replica once in 20 (a 429; docs/deploy.md "Routing" says routing across proxies is not exact).
-    with ClosedLoop(two_pipelines_app, clients=4, requests_each=5, grpc_clients=2) as load:
+def test_two_pipelines_at_their_capacity_never_answer_429(two_pipelines_app, reference):
+    # each replica admits 3 (2 running + 1 waiting): 6 clients fill both exactly, so one request sent to a
+    # replica without room is a 429. Before deployments/routing.py, Serve's router (which sees each replica's
+    # ongoing requests against max_ongoing_requests, the capacity plus app.CONTROL_SLOTS) sent a 4th request to
+    # a full replica once in 20 with 5 clients.
+    with ClosedLoop(two_pipelines_app, clients=6, requests_each=5, grpc_clients=3) as load:
         load.join()
     statuses = sorted({outcome.status for outcome in load.outcomes})
     finished = _finished_by_replica()
-    print(f"\ntwo replicas, 4 clients (2 gRPC) x 5 requests: statuses {statuses}, finished by replica {finished}")
-    assert len(load.outcomes) == 20
-    assert not [outcome for outcome in load.outcomes if outcome.status == 429], "a 429 below total capacity"
+    print(f"\ntwo replicas, 6 clients (3 gRPC) x 5 requests: statuses {statuses}, finished by replica {finished}")
+    assert len(load.outcomes) == 30
+    assert not [outcome for outcome in load.outcomes if outcome.status == 429], "a 429 within total capacity"
     assert not _wrong(load.outcomes, reference), _wrong(load.outcomes, reference)[:3]
     assert len(finished) == 2 and min(finished.values()) > 0, finished
