@@ -93,7 +93,7 @@ def bad_grpc_requests():
 
 class Traffic:
     def __init__(self, http, grpc_channel, model: str, max_new_tokens: int, cancel_tokens: int, timeout: float,
-                 metadata=None):
+                 metadata=None, temperatures: tuple[float, ...] = (0.0, 0.8)):
         from protos.hetspec.v1 import hetspec_pb2_grpc
 
         self.http, self.channel, self.model = http, grpc_channel, model
@@ -103,10 +103,11 @@ class Traffic:
         self.max_new_tokens, self.timeout, self.metadata = max_new_tokens, timeout, metadata
         self.cancel_tokens = cancel_tokens  # a stream to cancel asks for more, so it is still running
         self.bad_http, self.bad_grpc = bad_http_bodies(model), bad_grpc_requests()
+        self.temperatures = temperatures  # each request draws one (0: greedy)
 
     def _body(self, rng: random.Random, chat: bool, stream: bool) -> dict:
         prompt = rng.choice(PROMPTS)
-        body = {"model": self.model, "max_tokens": self.max_new_tokens, "temperature": rng.choice([0, 0.8]),
+        body = {"model": self.model, "max_tokens": self.max_new_tokens, "temperature": rng.choice(self.temperatures),
                 "seed": rng.randrange(1000), "stream": stream}
         if chat:
             body["messages"] = [{"role": "user", "content": prompt}]
@@ -184,7 +185,7 @@ class Traffic:
         from protos.hetspec.v1 import hetspec_pb2 as pb
 
         return pb.GenerateRequest(prompt=rng.choice(PROMPTS), max_new_tokens=self.max_new_tokens,
-                                  temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(1000))
+                                  temperature=rng.choice(self.temperatures), seed=rng.randrange(1000))
 
     async def grpc_unary(self, rng):
         import grpc
@@ -452,6 +453,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--settle", type=float, default=60.0, help="seconds to wait for sessions to close")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8],
+                        help="each request draws its temperature from these (0 alone: greedy traffic only)")
     parser.add_argument("--slope-minutes", type=float, default=30.0,
                         help="the RSS slope is fitted over this many last minutes of the run")
     parser.add_argument("--name", default="soak", help="names the result folder: soak-<name>")
@@ -474,7 +477,7 @@ async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
         async with grpc.aio.insecure_channel(grpc_target) as channel:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
             traffic = Traffic(http, channel, model, args.max_new_tokens, args.cancel_tokens, args.timeout,
-                              metadata or None)
+                              metadata or None, tuple(args.temperatures))
             warmup = [await traffic.run(kind, random.Random(args.seed)) for kind in MIX]  # every kind once
             memory_start = await asyncio.to_thread(actor_memory)
             print(f"soak: {args.clients} clients for {args.minutes} min on {url} / {grpc_target}", file=sys.stderr)
@@ -494,7 +497,7 @@ async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
     summary["health_after"] = health
     return {"settings": {"name": args.name, "url": url, "grpc": grpc_target, "model": model, "clients": args.clients,
                          "seconds": args.minutes * 60, "max_new_tokens": args.max_new_tokens, "mix": MIX,
-                         "seed": args.seed, "slope_minutes": args.slope_minutes,
+                         "seed": args.seed, "slope_minutes": args.slope_minutes, "temperatures": args.temperatures,
                          "allocator_env": {key: os.environ[key] for key in ALLOCATOR_ENV if key in os.environ}},
             "summary": summary}
 
