@@ -8,7 +8,8 @@ Steps, one after the other (never two at once on this machine):
 1. ``hf-batched``: transformers' ``generate`` of the target alone, greedy, on a left-padded batch of the first
    c prompts, for each concurrency c (what a user gets without a server);
 2. the server of this checkout (``serve run`` of the config): ``serve_bench`` at each concurrency with the
-   config's speculation (gRPC and HTTP) and with ``algorithm: ar`` (speculation off, gRPC);
+   config's speculation (gRPC and HTTP) and with ``algorithm: ar`` (speculation off, gRPC); with
+   ``--pipelined-too`` also with per-request pipelining on (gRPC, ``served-pipelined``);
 3. the server of ``--baseline-commit`` (a git worktree; the unbatched server) with the config's speculation.
 
 Each level sends as many requests as clients (two at concurrency 1), closed loop, ``--max-new-tokens`` each.
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-commit", help="the unbatched server's commit; omitted: not run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf", "server", "baseline"])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pipelined-too", action="store_true",
+                        help="also the config's speculation with per-request pipelining on (gRPC): the drafter drafts "
+                        "a request's next chunk while the target verifies, so both models work on different requests")
     parser.add_argument("--reuse", action="store_true", help="keep the steps already measured in --out (hf.json, "
                         "raw/<label>-c<n>): a run cut short resumes where it stopped")
     args = parser.parse_args(argv)
@@ -128,7 +132,7 @@ class Served:
 
 
 def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protocol: str, algorithm: str,
-          folder: Path) -> dict:
+          folder: Path, extra: tuple[str, ...] = ()) -> dict:
     """serve_bench at each concurrency: {concurrency: {protocol: level row}}."""
     levels: dict = {}
     for concurrency in concurrencies:
@@ -143,7 +147,7 @@ def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protoc
                    "--warmup", "1" if concurrency == concurrencies[0] else "0", "--label", label, "--out", str(out)]
         if algorithm:
             command += ["--algorithm", algorithm]
-        subprocess.run(command, cwd=REPO, check=True)
+        subprocess.run(command + list(extra), cwd=REPO, check=True)
         rows = json.loads((out / "results.json").read_text())["levels"]
         levels[concurrency] = {row["protocol"]: row for row in rows}
         print(label, concurrency, {p: round(r["tokens_per_second"], 2) for p, r in levels[concurrency].items()},
@@ -212,13 +216,18 @@ def main(argv: list[str] | None = None) -> int:
         return args.reuse and all((args.out / "raw" / f"{label}-c{c}" / "results.json").exists() for c in levels)
 
     if "server" not in args.skip:
-        with (contextlib.nullcontext() if measured("served", args.concurrency) and measured("served-ar", args.concurrency)
+        with (contextlib.nullcontext() if all(measured(label, args.concurrency) for label in
+                                                 ("served", "served-ar") + (("served-pipelined",) * args.pipelined_too))
               else Served(REPO, config, args.out / "serve.log")):
             both = bench(args, "served", args.concurrency, "both", "", args.out / "raw")
             methods["served-grpc"] = {c: rows["grpc"] for c, rows in both.items()}
             methods["served-http"] = {c: rows["http"] for c, rows in both.items()}
             spec_off = bench(args, "served-ar", args.concurrency, "grpc", "ar", args.out / "raw")
             methods["served-ar-grpc"] = {c: rows["grpc"] for c, rows in spec_off.items()}
+            if args.pipelined_too:
+                overlapped = bench(args, "served-pipelined", args.concurrency, "grpc", "", args.out / "raw",
+                                   ("--pipelined", "on"))
+                methods["served-pipelined-grpc"] = {c: rows["grpc"] for c, rows in overlapped.items()}
     if args.baseline_commit and "baseline" not in args.skip:
         with tempfile.TemporaryDirectory() as scratch:
             worktree = Path(scratch) / "baseline"
