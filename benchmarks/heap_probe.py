@@ -9,6 +9,12 @@ allocations traced since the start, the count of gc-tracked objects and their mo
 tensors and their bytes, and the allocation sites that grew most since the first probe. Anonymous RSS
 growing while the traced allocations, the object counts and the live tensors stay flat is native memory:
 the allocator's retention or a native library's cache, not Python objects kept alive.
+
+To find which native code holds it: preload jemalloc with heap profiling into the model actors
+(``pipeline.worker_env_vars: {LD_PRELOAD: libjemalloc.so.2, MALLOC_CONF: "prof:true,lg_prof_sample:20,
+prof_prefix:/tmp/jeprof/worker"}``, Debian's libjemalloc2); each probe then also writes a heap profile
+(``prof.dump``), and ``jeprof --text --base=<first>.heap $(which python) <last>.heap`` (libjemalloc-dev) lists
+the allocation sites of what grew between two probes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,14 @@ def _start(worker) -> bool:
 
     tracemalloc.start(8)
     return True
+
+
+def _jemalloc_dump() -> bool:
+    """A jemalloc heap profile of this process (prof_prefix names it); False without jemalloc's profiling."""
+    import ctypes
+
+    mallctl = getattr(ctypes.CDLL(None), "mallctl", None)  # present when jemalloc is preloaded
+    return mallctl is not None and mallctl(b"prof.dump", None, None, None, 0) == 0
 
 
 def _probe(worker) -> dict:
@@ -46,7 +60,8 @@ def _probe(worker) -> dict:
             "objects": len(objects), "tensors": len(tensors),
             "tensor_mib": sum(item.numel() * item.element_size() for item in tensors) // 2**20,
             "top_types": collections.Counter(type(item).__name__ for item in objects).most_common(8),
-            "grown_kib": [(stat.size_diff // 1024, stat.traceback.format()[-2:]) for stat in grown]}
+            "grown_kib": [(stat.size_diff // 1024, stat.traceback.format()[-2:]) for stat in grown],
+            "jemalloc_profile": _jemalloc_dump()}
 
 
 def main() -> None:

@@ -339,3 +339,4 @@ def test_heap_probe_reports_python_and_native_memory_of_a_worker():
         tracemalloc.stop()
     assert first["grown_kib"] == [] and first["rss_anon"].endswith("kB") and first["objects"] > 0
     assert second["traced_mib"] >= 2 and second["grown_kib"][0][0] >= 2048 and len(kept) == 2048
+    assert second["jemalloc_profile"] is False  # glibc's allocator here: no heap profile to write
