@@ -341,7 +341,8 @@ def rss_slope(samples: list[dict], name: str, window_s: float) -> float | None:
     return float(slope)
 
 
-ALLOCATOR_ENV = ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")  # reach the actors through Ray's env
+# the allocator's settings a process runs with (the actors get theirs from pipeline.worker_env_vars)
+ALLOCATOR_ENV = ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "LD_PRELOAD", "MALLOC_CONF")
 
 
 # --- the report ---------------------------------------------------------------------------------------------
