@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.reuse and all((args.out / "raw" / f"{label}-c{c}" / "results.json").exists() for c in levels)
 
     if "server" not in args.skip:
-        with (contextlib.nullcontext() if all(measured(label, args.concurrency) for label in
-                                                 ("served", "served-ar") + (("served-pipelined",) * args.pipelined_too))
+        labels = ["served", "served-ar"] + (["served-pipelined"] if args.pipelined_too else [])
+        with (contextlib.nullcontext() if all(measured(label, args.concurrency) for label in labels)
               else Served(REPO, config, args.out / "serve.log")):
             both = bench(args, "served", args.concurrency, "both", "", args.out / "raw")
             methods["served-grpc"] = {c: rows["grpc"] for c, rows in both.items()}

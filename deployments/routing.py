@@ -8,7 +8,8 @@ the generation requests it has sent to each replica and not seen finish, and sen
 whose count is below its capacity (``running + waiting``: ``record_routing_stats`` of deployments/app.py
 reports it, so a ``user_config`` that changes the limits changes it too), the least loaded first. When every
 replica is full it waits up to ``FULL_GRACE_S`` for a slot, then sends the request to a full replica, whose
-admission answers 429 with Retry-After, as one replica alone does. Control calls (health, stats, models, handle calls) go anywhere.
+admission answers 429 with Retry-After, as one replica alone does. Control calls (health, stats, models,
+handle calls) go anywhere.
 
 Exact for the traffic of one router: each Serve proxy (HTTP and gRPC share it) and each ``DeploymentHandle``
 has its own, so with one proxy (``proxy_location: HeadOnly``) a replica never receives more generations than
