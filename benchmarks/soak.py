@@ -319,8 +319,16 @@ async def open_sessions(http, settle_seconds: float, polls_per_sweep: int = 4) -
             break
         await asyncio.sleep(0.5)
     return {replica: {"ongoing_requests": stats["ongoing_requests"], "open_sessions": _sessions(stats),
-                      "outcomes": {k: v for k, v in stats.items() if k.endswith("_requests")}}
+                      "outcomes": {k: v for k, v in stats.items() if k.endswith("_requests")},
+                      "heap_trims": _heap_trims(stats)}
             for replica, stats in seen.items()}
+
+
+def _heap_trims(stats: dict) -> dict:
+    """Per model actor: its malloc_trim calls, their seconds and the resident MiB they gave back."""
+    return {role: {"trims": stats[role].get("heap_trims"), "seconds": stats[role].get("heap_trim_seconds"),
+                   "released_mib": round(stats[role].get("heap_trim_released_bytes", 0) / 2**20, 1)}
+            for role in ("target", "drafter") if "error" not in stats[role]}
 
 
 def _sessions(stats: dict) -> dict:
@@ -425,10 +433,11 @@ def markdown(result: dict) -> str:
                   + "; ".join(f"{name.split(':')[0]}: " + " ".join(number(sample['rss_mib'].get(name))
                                                                 for sample in summary["memory_samples"])
                               for name in summary["memory"])]
-    lines += ["", "| replica | open sessions after the run | ongoing requests | replica's request outcomes |",
-              "|---|---|---|---|"]
+    lines += ["", "| replica | open sessions after the run | ongoing requests | replica's request outcomes | "
+              "heap trims (deployments/heap_trim.py) |", "|---|---|---|---|---|"]
     for replica, row in summary["sessions_after"].items():
-        lines.append(f"| {replica} | {row['open_sessions']} | {row['ongoing_requests']} | {row['outcomes']} |")
+        lines.append(f"| {replica} | {row['open_sessions']} | {row['ongoing_requests']} | {row['outcomes']} | "
+                     f"{row.get('heap_trims', '-')} |")
     if summary["unexpected_examples"]:
         lines += ["", "Unexpected errors (up to 5 examples each):", ""]
         for key, details in summary["unexpected_examples"].items():

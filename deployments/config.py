@@ -60,6 +60,10 @@ class PipelineConfig(StrictModel):
         "before they start: e.g. LD_PRELOAD: libjemalloc.so.2, with which a soak's drafter ran 390 MiB lower than "
         "on glibc's allocator (docs/deploy.md, 'Memory allocator of the model workers'). A library the node lacks "
         "is skipped by the loader with a warning."))
+    heap_trim_interval_s: float = Field(30.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "Every this many seconds the drafter and target actors give the C heap's free pages back to the system "
+        "(glibc malloc_trim), so their resident memory follows what they hold; 0: never "
+        "(deployments/heap_trim.py says why)."))
     prefill_chunk_tokens: int = Field(128, ge=1, le=65536, description=(
         "A new request's prompt is fed in passes of at most this many tokens, each a pass of its own between "
         "the other requests' passes, so a long prompt does not stall their decoding."))

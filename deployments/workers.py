@@ -39,6 +39,7 @@ from hetspec.output import TokenLogprob
 from hetspec.tree import TokenTree
 
 from deployments.config import PipelineConfig
+from deployments.heap_trim import HeapTrimmer
 from deployments.metrics import worker_metrics
 from deployments.model_threads import ModelThreads
 from deployments.sessions import Sessions
@@ -100,6 +101,8 @@ class _Worker:
         self.prefill_chunk_tokens = pipeline.prefill_chunk_tokens
         self.actor_id = uuid.uuid4().hex[:8]
         self.sessions.start_sweeper(self._expired)
+        self.heap_trimmer = HeapTrimmer(pipeline.heap_trim_interval_s)
+        self.heap_trimmer.start()
         self._calls = 0
         self._calls_guard = threading.Lock()
         self._metrics = worker_metrics()
@@ -124,7 +127,8 @@ class _Worker:
         return {"actor": self.actor_id, "model": self.model.name, "active_sessions": len(self.sessions),
                 "max_sessions": self.sessions.max_sessions, "calls_in_progress": self._calls,
                 "forward_passes": self.passes.passes, "pass_rows": self.passes.rows,
-                "kv_bytes_per_token": pool.bytes_per_token, "kv_reserved_bytes": pool.reserved_bytes}
+                "kv_bytes_per_token": pool.bytes_per_token, "kv_reserved_bytes": pool.reserved_bytes,
+                **self.heap_trimmer.stats()}
 
     def _run_for(self, items: list[tuple[str, tuple]], computation: Callable[..., Any]) -> tuple[list, float]:
         """(per item its result or exception, seconds): ``computation(session, *args)`` of each (request_id, args),

@@ -99,7 +99,8 @@ def serve_app(args: dict):
 def served_app():
     """The small pair with config.small.yaml's settings (no API key), short answers by default."""
     args = small_app_args(pipeline={"placement_strategy": "STRICT_SPREAD",
-                                    "worker_env_vars": {"HETSPEC_TEST_WORKER_ENV": "drafter and target"}},
+                                    "worker_env_vars": {"HETSPEC_TEST_WORKER_ENV": "drafter and target"},
+                                    "heap_trim_interval_s": 1.0},
                           limits={"default_max_new_tokens": NEW_TOKENS})
     with serve_app(args) as app:
         yield app

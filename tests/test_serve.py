@@ -318,6 +318,24 @@ def test_worker_env_vars_are_the_model_actors_environment(served_app):  # noqa: 
         assert seen == expected, role
 
 
+def test_model_actors_trim_their_heap(served_app):  # noqa: F811
+    """pipeline.heap_trim_interval_s: the drafter and the target call malloc_trim on their own (glibc), and say so
+    in /v1/stats."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    deadline = time.monotonic() + 30
+    while True:
+        stats = httpx.get(f"{served_app.http_url}/v1/stats", timeout=30).json()
+        trims = {role: stats[role]["heap_trims"] for role in ("drafter", "target")}
+        if min(trims.values()) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert min(trims.values()) >= 2, trims
+    assert all(stats[role]["heap_trim_seconds"] >= 0 for role in ("drafter", "target"))
+
+
 def test_client_sends_the_application_metadata(served_app):  # noqa: F811
     import subprocess
     import sys
