@@ -101,9 +101,10 @@ class RoomRouter(RequestRouter):
         self.chosen.pop(request_id, None)
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         counts = self.loads()
+        loads = {replica_id: counts.get(replica_id, 0) for replica_id in by_id}
         capacities = {replica_id: self.capacity(replica) for replica_id, replica in by_id.items()}
-        ranks = rank_by_room({replica_id: counts.get(replica_id, 0) for replica_id in by_id}, capacities)
-        if counts.get(ranks[0][0], 0) >= capacities[ranks[0][0]]:  # every replica full, as far as we know
+        ranks = rank_by_room(loads, capacities)
+        if all(loads[replica_id] >= capacities[replica_id] for replica_id in by_id):  # as far as we know
             # A client that got its answer may send its next request before Serve tells us the last one ended:
             # wait a moment for that slot (Serve's loop backs off and asks again) before a full replica's 429.
             since = self.full_since.setdefault(request_id, time.monotonic())
