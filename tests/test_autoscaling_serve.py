@@ -7,6 +7,9 @@
 2. Routing that uses the capacity there is: two replicas, as many closed-loop clients as both admit together
    (HTTP and gRPC), and not one 429 (the request router sends a generation where the admission has room:
    deployments/routing.py).
+3. A target killed on one of two pipelines while both decode batches: that pipeline's requests end with an
+   error naming the target, the other pipeline's finish with the library's tokens, and once the target is
+   replaced every request is right again.
 
 Replicas are told apart by their Serve log files (one per replica, ``request done`` once per finished request).
 """
@@ -20,6 +23,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -82,7 +87,7 @@ def autoscaling_app():
         yield app
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # the tests below share it; the kill test runs last and restores it
 def two_pipelines_app():
     with _served({"min_replicas": 2, "max_replicas": 2}) as app:
         _until(lambda: _replica_states() == {"RUNNING": 2}, "two replicas running")
@@ -310,3 +315,69 @@ def test_two_pipelines_at_their_capacity_never_answer_429(two_pipelines_app, ref
     assert not [outcome for outcome in load.outcomes if outcome.status == 429], "a 429 within total capacity"
     assert not _wrong(load.outcomes, reference), _wrong(load.outcomes, reference)[:3]
     assert len(finished) == 2 and min(finished.values()) > 0, finished
+
+
+
+KILL_NEW_TOKENS = 48  # long enough that a kill after every stream's first tokens lands while all of them decode
+
+
+def _stream_through_a_kill(app: App, prompt: str, started: threading.Barrier) -> Outcome:
+    """A streamed completion (EOS ignored) that waits at ``started`` once its first tokens came."""
+    body = {"model": app.model_id, "prompt": prompt, "max_tokens": KILL_NEW_TOKENS, "temperature": 0,
+            "stream": True, "hetspec": {"ignore_eos": True}}
+    outcome = Outcome(prompt, True, 0)
+    try:
+        with httpx.stream("POST", f"{app.http_url}/v1/completions", json=body, timeout=300) as response:
+            outcome.status = response.status_code
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                outcome.error = outcome.error or event.get("error", {}).get("message", "")
+                first_tokens = not outcome.token_ids
+                outcome.token_ids += event.get("hetspec", {}).get("token_ids", [])
+                outcome.finished |= any(choice.get("finish_reason") for choice in event.get("choices", []))
+                if first_tokens and outcome.token_ids:
+                    started.wait(timeout=300)
+    except httpx.HTTPError as error:  # a cut connection is an outcome the test reports
+        outcome.error = outcome.error or repr(error)
+    return outcome
+
+
+def test_target_killed_on_one_pipeline_leaves_the_other_untouched(two_pipelines_app, reference, gemma):
+    import ray
+    from ray import serve
+
+    prompt = PROMPTS[0]
+    long_reference = Engine(gemma).generate(prompt, SamplingParams(max_new_tokens=KILL_NEW_TOKENS, ignore_eos=True),
+                                            speculation=SpeculationConfig(algorithm="ar")).token_ids
+    # one replica's target, fetched first: the kill must land while the requests decode
+    target = serve.get_deployment_handle(DEPLOYMENT, app_name=APP_NAME).actor_handles.remote().result(
+        timeout_s=60)["target"]
+    # 4 streams: a replica runs 2, and the router counts each from its choice, so each replica gets 2
+    streams = 4
+    started = threading.Barrier(streams + 1)
+    with ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(_stream_through_a_kill, two_pipelines_app, prompt, started) for _ in range(streams)]
+        started.wait(timeout=300)
+        ray.kill(target)
+        outcomes = [future.result(timeout=300) for future in futures]
+    right = [o for o in outcomes if o.status == 200 and not o.error and o.finished and o.token_ids == long_reference]
+    lost = [o for o in outcomes if o.error]
+    print(f"\ntarget killed on one of two pipelines: {len(right)} right, {len(lost)} told: "
+          f"{[outcome.error[:120] for outcome in lost]}")
+    assert len(right) == 2 and len(lost) == 2, outcomes  # the other pipeline's two untouched
+    for outcome in lost:  # told why, naming the target, after tokens that were right
+        assert "target" in outcome.error and outcome.token_ids == long_reference[:len(outcome.token_ids)], outcome
+    # the target is replaced (503 meanwhile, naming it); then both pipelines answer right again
+    deadline = time.monotonic() + STATE_DEADLINE_S
+    while True:
+        with ClosedLoop(two_pipelines_app, clients=4, requests_each=1) as after:
+            after.join()
+        statuses = {outcome.status for outcome in after.outcomes}
+        assert statuses <= {200, 503}, after.outcomes
+        if statuses == {200} or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
+    assert not _wrong(after.outcomes, reference), _wrong(after.outcomes, reference)[:3]
+    assert _pipeline_actors() == {"replicas": 2, "drafters": 2, "targets": 2, "placement_groups": 2}
