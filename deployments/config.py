@@ -59,7 +59,8 @@ class PipelineConfig(StrictModel):
         "Environment variables of the drafter and target actors' processes (Ray's runtime_env env_vars), set "
         "before they start: e.g. LD_PRELOAD: libjemalloc.so.2, with which a soak's drafter ran 390 MiB lower than "
         "on glibc's allocator (docs/deploy.md, 'Memory allocator of the model workers'). A library the node lacks "
-        "is skipped by the loader with a warning. Measured against: MALLOC_MMAP_THRESHOLD_=65536, 21% slower."))
+        "is skipped by the loader with a warning. (MALLOC_MMAP_THRESHOLD_=65536 also returns freed memory, but the "
+        "realistic pair ran 21% slower with it.)"))
     heap_trim_interval_s: float = Field(30.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
         "Every this many seconds the drafter and target actors give the C heap's free pages back to the system "
         "(glibc malloc_trim), so their resident memory follows what they hold; 0: never "

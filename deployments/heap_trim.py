@@ -49,14 +49,10 @@ class HeapTrimmer:
     interval_s: float
     trims: int = 0
     seconds: float = 0.0  # spent in malloc_trim, all calls together
-    released_bytes: int = 0  # resident memory the calls gave back, all calls together
+    released_bytes: int = 0  # resident memory the calls gave back, all together (about: other threads run on)
 
     def __post_init__(self) -> None:
         self._trim = _malloc_trim()
-
-    @property
-    def available(self) -> bool:
-        return self._trim is not None
 
     def trim(self) -> int:
         """Give the free pages back now; the resident bytes that freed (0 if none, or no malloc_trim)."""
