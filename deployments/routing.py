@@ -57,13 +57,16 @@ class RoomRouter(RequestRouter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.default_capacity = 1
+        self.full_grace_s = FULL_GRACE_S
         self.sent: dict[str, Any] = {}  # internal request id -> replica id: generations chosen or running
         self.chosen: dict[str, tuple[PendingRequest, float]] = {}  # chosen here, not yet accepted
         self.full_since: dict[str, float] = {}  # requests that found every replica full: since when
 
-    def initialize_state(self, capacity: int = 1, **_: Any) -> None:
-        """``capacity``: what a replica admits until it reports its own (Serve's ``request_router_kwargs``)."""
+    def initialize_state(self, capacity: int = 1, full_grace_s: float = FULL_GRACE_S, **_: Any) -> None:
+        """Serve's ``request_router_kwargs``. ``capacity``: what a replica admits until it reports its own;
+        ``full_grace_s``: how long a generation that finds every replica full waits for a slot."""
         self.default_capacity = capacity
+        self.full_grace_s = full_grace_s
 
     def capacity(self, replica: RunningReplica) -> int:
         return int((replica.routing_stats or {}).get("capacity", self.default_capacity))
@@ -108,7 +111,7 @@ class RoomRouter(RequestRouter):
             # A client that got its answer may send its next request before Serve tells us the last one ended:
             # wait a moment for that slot (Serve's loop backs off and asks again) before a full replica's 429.
             since = self.full_since.setdefault(request_id, time.monotonic())
-            if time.monotonic() - since < FULL_GRACE_S:
+            if time.monotonic() - since < self.full_grace_s:
                 return []
         else:
             # counted now, not once accepted: routing tasks run concurrently, and the next one must see it

@@ -15,7 +15,6 @@ from ray.serve.request_router import PendingRequest
 
 from deployments.app import deployment_options, replica_capacity
 from deployments.config import AppConfig
-from deployments import routing
 from deployments.routing import RoomRouter, is_generation, rank_by_room
 
 
@@ -26,9 +25,10 @@ def _replica(name: str, **routing_stats) -> SimpleNamespace:
 class Driver:
     """Serve's side of the router: choose, send to the first replica offered, finish."""
 
-    def __init__(self, capacity: int, replicas: list[SimpleNamespace]):
+    def __init__(self, capacity: int, replicas: list[SimpleNamespace], full_grace_s: float = 0.0):
+        """``full_grace_s`` 0: every replica full sends to the full ones at once (the wait has its own test)."""
         self.router = RoomRouter(DeploymentID("HetSpecServer", "hetspec"), DeploymentHandleSource.UNKNOWN)
-        self.router.initialize_state(capacity=capacity)
+        self.router.initialize_state(capacity=capacity, full_grace_s=full_grace_s)
         self.replicas = replicas
         self.loop = asyncio.new_event_loop()
         self.requests: dict[str, SimpleNamespace] = {}
@@ -55,12 +55,6 @@ class Driver:
         self.router.on_request_completed(replica, request_id)
 
 
-@pytest.fixture(autouse=True)
-def no_grace(monkeypatch):
-    """Every replica full: to the full ones at once (the grace wait has its own test)."""
-    monkeypatch.setattr(routing, "FULL_GRACE_S", 0.0)
-
-
 def test_generations_go_where_the_admission_has_room_least_loaded_first():
     serve = Driver(capacity=2, replicas=[_replica("a"), _replica("b")])
     assert [serve.send(f"r{index}") for index in range(4)] == ["a", "b", "a", "b"]
@@ -72,14 +66,13 @@ def test_generations_go_where_the_admission_has_room_least_loaded_first():
     assert serve.requests["r5"].routing_context.should_backoff  # Serve's loop waits between our choices
 
 
-def test_a_request_finding_every_replica_full_waits_a_moment_for_a_slot(monkeypatch):
-    monkeypatch.setattr(routing, "FULL_GRACE_S", 60.0)
-    serve = Driver(capacity=1, replicas=[_replica("a"), _replica("b")])
+def test_a_request_finding_every_replica_full_waits_a_moment_for_a_slot():
+    serve = Driver(capacity=1, replicas=[_replica("a"), _replica("b")], full_grace_s=60.0)
     serve.send("r0"), serve.send("r1")
     assert serve.choose("r2") == []  # nothing offered: Serve backs off and asks again
     serve.finish("r0", "a")  # the end Serve reported late
     assert serve.choose("r2")[0] == ["a"]
-    monkeypatch.setattr(routing, "FULL_GRACE_S", 0.0)
+    serve.router.full_grace_s = 0.0
     assert serve.choose("r3") == [["a", "b"]]  # past the wait: to the full replicas, whose admission says 429
 
 
