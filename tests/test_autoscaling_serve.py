@@ -20,11 +20,10 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -169,19 +168,27 @@ def _complete(client: httpx.Client, app: App, prompt: str, stream: bool) -> Outc
         with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 return Outcome(prompt, True, response.status_code, error=response.read().decode()[:300])
-            outcome, done = Outcome(prompt, True, 200), False
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[len("data: "):])
-                    outcome.error = outcome.error or event.get("error", {}).get("message", "")
-                    outcome.token_ids += event.get("hetspec", {}).get("token_ids", [])
-                    outcome.finished |= any(choice.get("finish_reason") for choice in event.get("choices", []))
-            outcome.finished &= done
-            return outcome
+            return _read_stream(response, Outcome(prompt, True, 200))
     except httpx.HTTPError as error:  # a cut connection is an outcome the test reports
         return Outcome(prompt, stream, 0, error=repr(error))
+
+
+def _read_stream(response: httpx.Response, outcome: Outcome, on_first_tokens=lambda: None) -> Outcome:
+    """A completion stream's events into ``outcome``; ``on_first_tokens()`` once its first tokens came."""
+    done = False
+    for line in response.iter_lines():
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            event = json.loads(line[len("data: "):])
+            outcome.error = outcome.error or event.get("error", {}).get("message", "")
+            first_tokens = not outcome.token_ids
+            outcome.token_ids += event.get("hetspec", {}).get("token_ids", [])
+            outcome.finished |= any(choice.get("finish_reason") for choice in event.get("choices", []))
+            if first_tokens and outcome.token_ids:
+                on_first_tokens()
+    outcome.finished &= done
+    return outcome
 
 
 def _generate_over_grpc(app: App, prompt: str) -> Outcome:
@@ -317,7 +324,6 @@ def test_two_pipelines_at_their_capacity_never_answer_429(two_pipelines_app, ref
     assert len(finished) == 2 and min(finished.values()) > 0, finished
 
 
-
 KILL_NEW_TOKENS = 48  # long enough that a kill after every stream's first tokens lands while all of them decode
 
 
@@ -329,16 +335,7 @@ def _stream_through_a_kill(app: App, prompt: str, started: threading.Barrier) ->
     try:
         with httpx.stream("POST", f"{app.http_url}/v1/completions", json=body, timeout=300) as response:
             outcome.status = response.status_code
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                outcome.error = outcome.error or event.get("error", {}).get("message", "")
-                first_tokens = not outcome.token_ids
-                outcome.token_ids += event.get("hetspec", {}).get("token_ids", [])
-                outcome.finished |= any(choice.get("finish_reason") for choice in event.get("choices", []))
-                if first_tokens and outcome.token_ids:
-                    started.wait(timeout=300)
+            _read_stream(response, outcome, on_first_tokens=lambda: started.wait(timeout=300))
     except httpx.HTTPError as error:  # a cut connection is an outcome the test reports
         outcome.error = outcome.error or repr(error)
     return outcome
