@@ -4,7 +4,7 @@ In process, one ``BatchDecoder`` step chooses the draft length of every request 
 requests run their steps on their own tasks, kept in step by ``StepBatches`` (deployments/pipeline.py), so here
 the steps are counted in rounds: a request asking again starts a new round, whose cap is chosen over the
 replica's running requests as they stand then, and every request asking within the round gets that cap (the
-policy's probes and its every-8th exploring step then count steps, as in process, not requests). The policy is
+policy's probes and its exploring steps then count steps, as in process, not requests). The policy is
 the library's, unchanged. The pass costs are measured from the batched calls ``StepBatches`` sends: a
 ``verify_many`` call is one target pass over every request in it, a ``draft_many`` call of k positions k drafter
 passes. It changes which tokens are drafted, never which are output.
@@ -45,7 +45,7 @@ class ReplicaLoadAdaptive:
         if not done:
             return
         if method == "verify_many":  # items: (request_id, draft); every row feeds its candidates and one id
-            self.policy.record_target(fed_tokens([draft for (_, draft), _ in done]), done[0][1].seconds)
+            self.policy.record_target(len(done), fed_tokens([draft for (_, draft), _ in done]), done[0][1].seconds)
         elif method == "draft_many":  # outcomes: Draft, each with the call's drafter time
             passes = max(draft.drafter_forwards for _, draft in done)
             self.policy.record_drafter(len(done), passes, done[0][1].seconds)

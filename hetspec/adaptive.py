@@ -4,7 +4,8 @@ Speculation pays while the target's pass is nearly free to widen: one pass costs
 as for 4. In a batch, every drafted token widens the target pass of every row and every draft position is
 a drafter pass, so at some batch size plain decoding wins. The policy (docs/batching.md):
 
-- cost model, refitted every step by least squares over the recent passes of this decoder:
+- cost model, refitted every step by least squares over this decoder's recent passes and its last target passes
+  that fed drafts (kept however old, since at k = 0 they come only from exploring steps):
   target pass seconds = a + b * tokens fed;  drafter pass seconds = c + d * rows drafting;
 - request r accepts each drafted token with probability alpha_r, so a draft of k commits
   E_r(k) = 1 + alpha_r + ... + alpha_r^k tokens in expectation (1 for k = 0); alpha_r is the value for which
@@ -14,18 +15,25 @@ a drafter pass, so at some batch size plain decoding wins. The policy (docs/batc
   with k_r the request's own draft length (``DraftLength``), over k = 0 .. max k_r.
 
 Until both models have been timed at two different widths, it alternates the configured k and k = 0 to
-measure them, and every EXPLORE-th step it drafts the configured k again so the fit keeps two widths. It
-changes which tokens are drafted, never which are output.
+measure them. After that an exploring step now and then drafts the configured k again, so the fit keeps two
+widths and acceptance keeps being measured: EXPLORE steps apart at first, twice as far after each exploring
+step that leaves the choice where it was (up to EXPLORE_MAX), EXPLORE again once the choice moves. Where no
+draft pays, each exploring step is a wide pass that commits little: with one in every 8 the server reached
+0.81-0.91x of plain decoding in float32 on a 2-core CPU (benchmarks/results/serve-scaling-load-adaptive-rounds-f32).
+It changes which tokens are drafted, never which are output.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
 import torch
 
-WINDOW = 64  # passes kept for the fit
-EXPLORE = 8  # every EXPLORE-th step drafts the requests' own k, so the costs stay measured at two widths
+WINDOW = 64  # recent passes kept for the fit
+DRAFTED_KEPT = 16  # target passes that fed drafts, kept for the fit however old: at k = 0 they are rare
+EXPLORE = 8  # steps between exploring steps at first and after the choice moves
+EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
 
 
 def acceptance(accepted: int, drafted: int, drafts: int) -> float:
@@ -46,7 +54,7 @@ def fed_tokens(drafts: list) -> int:
     return sum(1 + len(draft.tree or draft.candidates) for draft in drafts)
 
 
-def _fit(samples: deque) -> tuple[float, float] | None:
+def _fit(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
     """Least-squares (intercept, slope) of seconds over width; None while the widths do not vary."""
     if len({width for width, _ in samples}) < 2:
         return None
@@ -58,12 +66,21 @@ def _fit(samples: deque) -> tuple[float, float] | None:
 
 class LoadAdaptive:
     def __init__(self) -> None:
-        self.target_passes: deque = deque(maxlen=WINDOW)  # (tokens fed, seconds)
+        self.plain_passes: deque = deque(maxlen=WINDOW)  # target passes that fed no draft: (tokens fed, seconds)
+        self.drafted_passes: deque = deque(maxlen=DRAFTED_KEPT)  # target passes that fed drafts, the same
         self.drafter_passes: deque = deque(maxlen=WINDOW)  # (rows drafting, seconds per pass)
         self.target_cost: tuple[float, float] | None = None
         self.drafter_cost: tuple[float, float] | None = None
-        self.probing = 0
+        self.probes = 0  # steps taken before both costs were fitted
+        self.since_explore = 0  # steps since the last exploring step
+        self.explore_every = EXPLORE
+        self.settled: int | None = None  # the last chosen k (not an exploring step's)
         self.chosen: list[tuple[int, int]] = []  # (batch size, k) per step, for the statistics
+
+    @property
+    def target_passes(self) -> list[tuple[int, float]]:
+        """Every target pass the fit reads: (tokens fed, seconds)."""
+        return list(self.plain_passes) + list(self.drafted_passes)
 
     def choose(self, own: dict) -> int | None:
         """This step's cap on every request's draft length; None leaves the requests' own.
@@ -73,13 +90,19 @@ class LoadAdaptive:
         largest = max(own.values(), default=0)
         if largest == 0:
             return None
-        self.probing += 1
         if self.target_cost is None or self.drafter_cost is None:
-            k = largest if self.probing % 2 else 0
-        elif self.probing % EXPLORE == 0:
-            k = largest
+            self.probes += 1
+            k = largest if self.probes % 2 else 0
         else:
-            k = max(range(largest + 1), key=lambda k: self._throughput(own, k))
+            self.since_explore += 1
+            if self.since_explore >= self.explore_every:
+                k, self.since_explore = largest, 0
+                self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if the choice moves
+            else:
+                k = max(range(largest + 1), key=lambda k: self._throughput(own, k))
+                if self.settled is not None and k != self.settled:
+                    self.explore_every = EXPLORE
+                self.settled = k
         self.chosen.append((len(own), k))
         return k
 
@@ -97,13 +120,13 @@ class LoadAdaptive:
 
     def record(self, drafts: list, lengths: list[int], drafter_seconds: float, target_seconds: float) -> None:
         """One step of a batch: its drafts (one per request), the lengths they were given, both models' time."""
-        self.record_target(fed_tokens(drafts), target_seconds)
+        self.record_target(len(drafts), fed_tokens(drafts), target_seconds)
         self.record_drafter(sum(k > 0 for k in lengths), max((draft.drafter_forwards for draft in drafts), default=0),
                             drafter_seconds)
 
-    def record_target(self, tokens: int, seconds: float) -> None:
-        """A target pass that fed ``tokens`` (every row's candidates and its last committed token)."""
-        self.target_passes.append((tokens, seconds))
+    def record_target(self, rows: int, tokens: int, seconds: float) -> None:
+        """A target pass over ``rows`` requests that fed ``tokens`` (each row's candidates and last committed id)."""
+        (self.drafted_passes if tokens > rows else self.plain_passes).append((tokens, seconds))
         self.target_cost = _fit(self.target_passes) or self.target_cost
 
     def record_drafter(self, rows: int, passes: int, seconds: float) -> None:

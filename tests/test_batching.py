@@ -20,7 +20,7 @@ import torch
 
 from synthetic import drafter_tokenizer, language_model, target_tokenizer
 from hetspec import Engine, SamplingParams, SpeculationConfig
-from hetspec.adaptive import EXPLORE, LoadAdaptive, acceptance
+from hetspec.adaptive import EXPLORE, EXPLORE_MAX, LoadAdaptive, acceptance
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
 from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
@@ -229,14 +229,26 @@ def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear(
     cheap, dear = LoadAdaptive(), LoadAdaptive()
     cheap.target_cost, cheap.drafter_cost = (0.6, 0.01), (0.03, 0.002)  # memory-bound: 48 tokens ~ 1.8x one
     dear.target_cost, dear.drafter_cost = (0.1, 0.13), (0.03, 0.002)  # compute-bound (bf16 on an AVX2 CPU)
-    cheap.probing = dear.probing = 1  # past the probes, not an exploring step
     own = {request: request.own_k for request in requests}
     assert 2 <= cheap.choose(own) <= 5  # the expected-throughput optimum, not the largest k
     assert dear.choose(own) == 0
-    explorer = LoadAdaptive()
-    explorer.target_cost, explorer.drafter_cost, explorer.probing = dear.target_cost, dear.drafter_cost, EXPLORE - 1
-    assert explorer.choose(own) == 5, "every EXPLORE-th step measures k again"
-    assert explorer.choose({request: 0 for request in requests}) is None  # nobody drafts: nothing to choose
+    assert dear.choose({request: 0 for request in requests}) is None  # nobody drafts: nothing to choose
+
+
+def test_load_adaptive_explores_less_while_its_choice_holds_and_often_again_once_it_moves():
+    requests = [_Waiting(accepted=10, drafted=25, drafts=5) for _ in range(8)]
+    own = {request: request.own_k for request in requests}
+    policy = LoadAdaptive()
+    policy.target_cost, policy.drafter_cost = (0.1, 0.13), (0.03, 0.002)  # no draft pays
+    choices = [policy.choose(own) for _ in range(EXPLORE * 2 ** 6)]
+    exploring = [step for step, k in enumerate(choices) if k]
+    assert set(choices) == {0, 5}, "k = 0 chosen, the requests' own k = 5 on exploring steps"
+    gaps = [later - earlier for earlier, later in zip(exploring, exploring[1:])]
+    assert exploring[0] == EXPLORE - 1 and gaps[:4] == [2 * EXPLORE, 4 * EXPLORE, 8 * EXPLORE, 16 * EXPLORE]
+    assert max(gaps) == EXPLORE_MAX, "the interval stops growing"
+    policy.target_cost = (0.6, 0.01)  # a wide pass became cheap (say, the batch shrank onto a GPU's free width)
+    after = [policy.choose(own) for _ in range(EXPLORE + 1)]
+    assert 2 <= after[0] <= 4 and 5 in after, "the choice moved: the next exploring step within EXPLORE steps"
 
 
 def _greedy(model, prompt_ids: list[int], new_tokens: int, fail_after: int | None = None):

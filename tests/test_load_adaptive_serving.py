@@ -40,16 +40,15 @@ def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_dr
         items = [(str(index), b"", 5, 0, 0) for index in range(rows)]
         adaptive.on_batch("draft_many", items, [Draft(candidates=[1] * 5, drafter_forwards=5, seconds=seconds)] * rows)
     assert adaptive.policy.target_cost[1] > 0.1 and adaptive.policy.drafter_cost is not None
-    adaptive.policy.probing = 1  # past the probes, not an exploring step
     assert [adaptive.cap(request) for request in requests] == [0] * 8
-    assert adaptive.policy.probing == 2, "one choice for the round of eight requests, as one step in process"
+    assert len(adaptive.policy.chosen) == 1, "one choice for the round of eight requests, as one step in process"
     adaptive.cap(requests[0])  # asks again: a new round
-    assert adaptive.policy.probing == 3
+    assert len(adaptive.policy.chosen) == 2
     adaptive.on_batch("verify_many", [("x", Draft())], [RuntimeError("failed")])  # a failed call measures nothing
     assert len(adaptive.policy.target_passes) == 4
     for request in requests[1:]:
         adaptive.leave(request)
-    assert adaptive.cap(requests[0]) == 0 and adaptive.policy.probing == 4  # alone: every step is a round
+    assert adaptive.cap(requests[0]) == 0 and len(adaptive.policy.chosen) == 3  # alone: every step is a round
     adaptive.leave(requests[0])
     assert adaptive.cap(requests[0]) is None  # nobody running
 
