@@ -166,9 +166,10 @@ class InProcess:
         config = AppConfig.model_validate(document["applications"][0]["args"])
         # one process, one torch thread pool: the target's thread count (load_model sets it process-wide)
         drafter = load_model(config.drafter.model, dtype=config.drafter.dtype, device=config.drafter.device,
-                             threads=config.target.threads, quantize=config.drafter.quantize)
+                             threads=config.target.threads, quantize=config.drafter.quantize,
+                             linear=config.drafter.linear)
         target = load_model(config.target.model, dtype=config.target.dtype, device=config.target.device,
-                            threads=config.target.threads)
+                            threads=config.target.threads, linear=config.target.linear)
         self.engine = Engine(target, drafter)
         self.speculation = request_speculation(config.speculation, options.algorithm or None, options.draft_tokens)
         self.params = SamplingParams(max_new_tokens=options.max_new_tokens, temperature=options.temperature)

@@ -78,7 +78,9 @@ def run_hf(args: argparse.Namespace, config: Path) -> dict:
     target_config = yaml.safe_load(config.read_text())["applications"][0]["args"]["target"]
     import torch
     torch.set_num_threads(target_config.get("threads") or torch.get_num_threads())
-    target = load_model(target_config["model"], dtype=target_config.get("dtype", "float32"))
+    # the server's own kernels (hetspec/linear.py), so the comparison is of decoding, not of matrix libraries
+    target = load_model(target_config["model"], dtype=target_config.get("dtype", "float32"),
+                        linear=target_config.get("linear", "auto"))
     prompts = [case.text for case in load_prompts(args.task, max(args.concurrency))]
     hf_batched(target, prompts[:1], 4)  # warm-up
     levels = {}

@@ -38,6 +38,9 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="stop drafting once the drafter's top probability is below this (0: never)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--linear", default="auto", choices=["auto", "onednn", "torch"],
+                        help="float32 Linear kernels on the CPU: oneDNN with weights converted once (auto: for float32 "
+                        "on the CPU) or torch's default")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
@@ -97,11 +100,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     elif not prompt:
         print("hetspec: the prompt is empty", file=sys.stderr)
         return 2
-    target = load_model(args.target, args.dtype, args.device, args.threads, progress=_progress)
+    target = load_model(args.target, args.dtype, args.device, args.threads, progress=_progress, linear=args.linear)
     drafter = None
     if speculation.algorithm != "ar":
         drafter = load_model(args.drafter, args.dtype, args.device, args.threads, progress=_progress,
-                             quantize=args.drafter_quantize)
+                             quantize=args.drafter_quantize,
+                             linear="auto" if args.drafter_quantize == "int8" else args.linear)
     engine = Engine(target, drafter, speculation, batching)
     if args.prompts_file:
         try:

@@ -161,9 +161,15 @@ class ModelConfig(StrictModel):
     quantize: Literal["none", "int8"] = Field("none", description=(
         "int8: dynamic int8 quantization of the Linear layers (CPU only; loads float32 weights first). "
         "Meant for the drafter: it changes proposals and speed, never the output."))
+    linear: Literal["auto", "onednn", "torch"] = Field("auto", description=(
+        "Kernels of the float32 Linear layers on the CPU: onednn converts their weights once for oneDNN "
+        "(hetspec/linear.py; a target pass ~2x faster on an AMD EPYC), torch keeps torch's default, auto is "
+        "onednn for float32 on the CPU and torch otherwise."))
 
     @model_validator(mode="after")
     def _quantize_on_cpu(self) -> "ModelConfig":
         if self.quantize == "int8" and self.device != "cpu":
             raise ValueError("quantize: int8 runs on the CPU only")
+        if self.linear == "onednn" and (self.device != "cpu" or self.dtype != "float32" or self.quantize != "none"):
+            raise ValueError("linear: onednn is for float32 models on the CPU, not quantized")
         return self

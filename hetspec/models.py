@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from hetspec import registry
 from hetspec.config import require_unicode
 from hetspec.kv import KVPool, KVSession
+from hetspec.linear import convert_linear_layers, uses_onednn
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +149,13 @@ def load_tokenizer(spec: str, progress: Callable[[str], None] | None = None) -> 
 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: int | None = None,
-               progress: Callable[[str], None] | None = None, quantize: str = "none") -> LanguageModel:
+               progress: Callable[[str], None] | None = None, quantize: str = "none",
+               linear: str = "auto") -> LanguageModel:
     """``quantize="int8"``: int8 dynamic quantization of every Linear layer (torch.ao, CPU; weights loaded in
     float32 first, ``dtype`` then applies to nothing else). For drafters: it changes their proposals, never
-    the output, and a 135M drafter's step drops ~2x on a 2-core CPU (benchmarks/README.md)."""
+    the output, and a 135M drafter's step drops ~2x on a 2-core CPU (benchmarks/README.md).
+    ``linear``: "auto" runs float32 Linear layers on the CPU through oneDNN with weights converted once
+    (hetspec/linear.py: ~2x faster passes on this project's CPU), "onednn" insists, "torch" keeps torch's."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quantize not in ("none", "int8"):
@@ -160,6 +164,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
         if device != "cpu":
             raise ValueError("quantize='int8' (torch dynamic quantization) runs on the CPU only")
         dtype = "float32"
+    if quantize == "int8" and linear == "onednn":
+        raise ValueError("linear='onednn' converts float32 layers; quantize='int8' leaves none")
+    onednn = quantize == "none" and uses_onednn(linear, DTYPES[dtype], device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for but CUDA is not available")
     if threads:
@@ -181,5 +188,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if quantize == "int8":
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    if onednn:
+        convert_linear_layers(model)
     return LanguageModel(name=spec, model=model, tokenizer=tokenizer, device=torch.device(device),
                          vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids))

@@ -1,0 +1,62 @@
+"""float32 Linear layers on the CPU through oneDNN with their weights converted once (``linear="onednn"``).
+
+torch's default float32 ``Linear`` on the CPU calls MKL's sgemm. On this project's AMD EPYC machine that path
+makes a pass over a few tokens cost about two passes of one (Qwen2.5-Coder-1.5B, 150-token context: 397 ms for
+1 token, 792 ms for 6), which is exactly the width speculation and batching feed; oneDNN's kernels with the
+weights held in oneDNN's own format take 212 ms for 1 token and 350 ms for 6, logits within 3e-5
+(benchmarks/results/pass-cost-qwen-cpu-onednn/). torch ships the conversion (``torch.utils.mkldnn.to_mkldnn``)
+only as TorchScript modules, deprecated in this torch; ``OneDNNLinear`` is the same call
+(``aten.mkldnn_linear``) in a plain module.
+
+Only the model's own ``nn.Linear`` layers in float32 on the CPU are converted: int8-quantized layers, other
+dtypes and devices keep torch's kernels. The dense weight is dropped (a tied output layer keeps the embedding's,
+which the embedding still uses), so memory stays one copy of each weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BACKENDS = ("auto", "onednn", "torch")
+
+
+class OneDNNLinear(torch.nn.Module):
+    """y = x W^T + b with W (and b) held as oneDNN tensors; any number of leading dimensions."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # not parameters or buffers: oneDNN tensors have no storage to save, move or share
+        self.onednn_weight = linear.weight.detach().to_mkldnn()  # [out_features, in_features]
+        self.onednn_bias = None if linear.bias is None else linear.bias.detach().to_mkldnn()  # [out_features]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
+        rows = hidden.reshape(-1, self.in_features).contiguous().to_mkldnn()
+        out = torch.ops.aten.mkldnn_linear(rows, self.onednn_weight, self.onednn_bias).to_dense()
+        return out.reshape(*hidden.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.onednn_bias is not None}"
+
+
+def uses_onednn(backend: str, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether ``backend`` converts a model of ``dtype`` on ``device``: float32 on the CPU, oneDNN in this torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"linear must be one of {BACKENDS}, got {backend!r}")
+    fits = dtype == torch.float32 and torch.device(device).type == "cpu"
+    if backend == "onednn" and not fits:
+        raise ValueError("linear='onednn' is for float32 models on the CPU")
+    if backend == "onednn" and not torch.backends.mkldnn.is_available():
+        raise ValueError("linear='onednn': this torch was built without oneDNN")
+    return backend == "onednn" or (backend == "auto" and fits and torch.backends.mkldnn.is_available())
+
+
+def convert_linear_layers(model: torch.nn.Module) -> int:
+    """Replace every float32 ``nn.Linear`` of ``model`` by a ``OneDNNLinear``; returns how many."""
+    converted = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
+                setattr(module, name, OneDNNLinear(child))
+                converted += 1
+    return converted
