@@ -91,6 +91,9 @@ def _run_generate(args: argparse.Namespace) -> int:
             field = ".".join(str(part) for part in problem["loc"]).replace("_", "-")
             print(f"hetspec: --{field}: {problem['msg']}", file=sys.stderr)
         return 2
+    if args.linear == "onednn" and (args.dtype != "float32" or args.device != "cpu"):
+        print("hetspec: --linear: onednn is for --dtype float32 on the CPU (hetspec/linear.py)", file=sys.stderr)
+        return 2
     if args.prompts_file:
         try:
             prompts, per_prompt = _read_prompts(args.prompts_file, params)

@@ -102,6 +102,8 @@ def test_cli_rejects_bad_arguments_with_the_field_name():
     assert result.returncode == 2 and "--algorithm" in result.stderr
     result = _cli("generate", "--algorithm", "tli", "--tree-width", "2", "hi")
     assert result.returncode == 2 and "--tree-width" in result.stderr and "exact match" in result.stderr
+    result = _cli("generate", "--linear", "onednn", "--dtype", "bfloat16", "hi")
+    assert result.returncode == 2 and "--linear" in result.stderr and "float32" in result.stderr
 
 
 @pytest.mark.real
