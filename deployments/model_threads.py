@@ -76,9 +76,9 @@ class ModelThreads:
     leaves spare."""
 
     def __init__(self, name: str, lanes: int, threads: int | None = None,
-                 in_flight: Callable[[], int] = lambda: 0):
+                 at_other_model: Callable[[], int] = lambda: 0):
         self.name = name
-        self.in_flight = in_flight
+        self.at_other_model = at_other_model  # requests between this worker's calls, whose passes take its cores
         self.threads = threads or torch.get_num_threads()
         self.lanes = lanes
         spare_cpus = max(0, usable_cpus() - self.threads)
@@ -135,9 +135,11 @@ class ModelThreads:
             current = self._run_call(call, share, current)
 
     def _share(self, most: int) -> int:
-        """Under ``_changed``: the threads of a call starting now, at most ``most``. Requests in flight beyond
-        the calls running here are at the other model, whose passes take the same cores: one more call."""
-        sharing = self._running + (1 if self.in_flight() > self._running else 0)
+        """Under ``_changed``: the threads of a call starting now, at most ``most``. Requests at the other model
+        (being served, not in a call here) have its passes take the same cores: one more call. Counted as
+        requests in calls here, a batched call of n requests read as n - 1 elsewhere and ran every pass on
+        one thread of two (benchmarks/results/serve-scaling-onednn-f32/NOTES.md)."""
+        sharing = self._running + (1 if self.at_other_model() else 0)
         return max(1, min(most, self.threads // sharing))
 
     def _size_lane(self) -> int:

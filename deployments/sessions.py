@@ -45,10 +45,12 @@ class Sessions(Generic[Session]):
         """Sessions holding a KV cache (one being closed counts until it is freed)."""
         return len(self._entries) + self._closing
 
-    def in_flight(self, within_s: float) -> int:
-        """Sessions in use now or used in the last ``within_s`` seconds: the requests this actor is serving."""
+    def elsewhere(self, within_s: float) -> int:
+        """Sessions not in use now but used in the last ``within_s`` seconds: requests this actor serves that are
+        between its calls (at the other model, or in the coordinator's turn). A batched call holds the sessions
+        of every request in it, so those are not counted."""
         since = time.monotonic() - within_s
-        return sum(1 for entry in list(self._entries.values()) if entry.lock.locked() or entry.last_used >= since)
+        return sum(1 for entry in list(self._entries.values()) if not entry.lock.locked() and entry.last_used >= since)
 
     def open(self, request_id: str, session: Session) -> None:
         with self._guard:

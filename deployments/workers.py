@@ -74,7 +74,7 @@ class VerifyResult:
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked for them
 
 
-# a request between steps (its other model's pass, the coordinator's turn) still counts as in flight
+# a request between steps (its other model's pass, the coordinator's turn) still counts as served here
 IN_FLIGHT_WITHIN_S = 2.0
 
 
@@ -95,7 +95,7 @@ class _Worker:
         shares_cores = pipeline.placement_strategy != "STRICT_SPREAD"
         self.model_threads = ModelThreads(
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
-            in_flight=(lambda: self.sessions.in_flight(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
+            at_other_model=(lambda: self.sessions.elsewhere(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
         self.model = self.model_threads.run(_load, model)[0]
         self.passes = SharedPasses(self.model, execute=self.model_threads.run, on_pass=self._record_pass)
         self.prefill_chunk_tokens = pipeline.prefill_chunk_tokens

@@ -115,13 +115,13 @@ def test_model_threads_split_the_cpu_threads_among_the_calls_running(monkeypatch
     assert lanes.run(_where)[0] == ("lane_0", 4)  # alone again: the first lane, every thread
 
 
-def test_requests_in_flight_at_the_other_model_count_as_one_more_call():
+def test_requests_at_the_other_model_count_as_one_more_call():
     """Drafter and target share the cores: while other requests are at the other model, a pass alone here
     takes half the threads, not all (at 4 clients the 2-thread drafter otherwise ran 2.4x slower)."""
-    in_flight = [1]
-    lanes = ModelThreads("shared", lanes=1, threads=4, in_flight=lambda: in_flight[0])
-    assert lanes.run(_where)[0] == ("shared_0", 4)  # this request alone
-    in_flight[0] = 3
+    elsewhere = [0]
+    lanes = ModelThreads("shared", lanes=1, threads=4, at_other_model=lambda: elsewhere[0])
+    assert lanes.run(_where)[0] == ("shared_0", 4)  # every request in this call (a batch): every thread
+    elsewhere[0] = 2
     assert lanes.run(_where)[0] == ("shared_0", 2)
 
 
@@ -130,11 +130,17 @@ def test_a_worker_counts_requests_at_the_other_model_only_where_the_models_can_s
         gemma, placement, counted):
     pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"placement_strategy": placement}}).pipeline
     worker = TargetWorker(gemma, pipeline)
-    worker.open("r", gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(), SamplingParams())
+    for request_id in ("r", "s"):
+        worker.open(request_id, gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(), SamplingParams())
     try:
-        assert worker.model_threads.in_flight() == counted
+        assert worker.model_threads.at_other_model() == 2 * counted  # both between calls here
+        with worker.sessions.use("r"), worker.sessions.use("s"):  # both in one batched call: its pass gets every
+            assert worker.model_threads.at_other_model() == 0  # thread (serve-scaling-onednn-f32/NOTES.md)
+        with worker.sessions.use("r"):
+            assert worker.model_threads.at_other_model() == counted
     finally:
         worker.close("r")
+        worker.close("s")
 
 
 def test_a_side_lane_uses_only_the_cpus_the_first_lane_leaves(monkeypatch):
@@ -169,7 +175,7 @@ def _matmul() -> float:  # big enough for MKL to run it on a team of threads
 def test_a_one_thread_share_runs_mkl_on_one_thread_too():
     """torch's CPU attention and float32 matmuls run in MKL, which keeps its own thread count: sized by
     OpenMP alone, a one-thread call still made a team of two, and the teams then outnumbered the CPUs."""
-    lanes = ModelThreads("mkl", lanes=1, threads=2, in_flight=lambda: 2)  # another request: a share of 1
+    lanes = ModelThreads("mkl", lanes=1, threads=2, at_other_model=lambda: 1)  # another request: a share of 1
     lanes.run(lambda: None)
     settled = _os_threads()
     assert lanes.run(_matmul)[0] == 512.0

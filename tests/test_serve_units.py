@@ -172,16 +172,17 @@ class TestSessions:
             assert sessions.close_idle() == ["idle"]
         assert released == ["idle session"] and len(sessions) == 1
 
-    def test_in_flight_counts_sessions_in_use_or_used_lately_not_abandoned_ones(self):
+    def test_elsewhere_counts_sessions_used_lately_not_in_a_call_and_not_abandoned(self):
         sessions = Sessions(max_sessions=4, idle_timeout_s=60, release=lambda session: None)
-        for request_id in ("abandoned", "between steps", "in a call"):
+        for request_id in ("abandoned", "between steps", "in a call", "in the same call"):
             sessions.open(request_id, request_id)
-        with sessions.use("in a call"):
-            time.sleep(0.5)  # the abandoned session's last use and this call's start are 0.5 s old now
+        with sessions.use("in a call"), sessions.use("in the same call"):  # a batched call holds both
+            time.sleep(0.5)  # the abandoned session's last use is 0.5 s old now
             with sessions.use("between steps"):
                 pass
-            assert sessions.in_flight(within_s=0.25) == 2
-            assert sessions.in_flight(within_s=60) == 3
+            assert sessions.elsewhere(within_s=0.25) == 1
+            assert sessions.elsewhere(within_s=60) == 2
+        assert sessions.elsewhere(within_s=0.25) == 3  # the call is over: its requests are between calls
 
     def test_close_waits_for_the_call_in_progress(self):
         events = []
