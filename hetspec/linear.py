@@ -1,9 +1,9 @@
 """float32 Linear layers on the CPU through oneDNN with their weights converted once (``linear="onednn"``).
 
 torch's default float32 ``Linear`` on the CPU calls MKL's sgemm. On this project's AMD EPYC machine that path
-makes a pass over a few tokens cost about two passes of one (Qwen2.5-Coder-1.5B, 150-token context: 397 ms for
-1 token, 792 ms for 6), which is exactly the width speculation and batching feed; oneDNN's kernels with the
-weights held in oneDNN's own format take 212 ms for 1 token and 350 ms for 6, logits within 3e-5
+makes a pass over a few tokens cost about two passes of one (Qwen2.5-Coder-1.5B, 150-token context: 361 ms for
+1 token, 797 ms for 6), which is exactly the width speculation and batching feed; oneDNN's kernels with the
+weights held in oneDNN's own format take 204 ms for 1 token and 396 ms for 6, logits within 3e-5
 (benchmarks/results/pass-cost-qwen-cpu-onednn/). torch ships the conversion (``torch.utils.mkldnn.to_mkldnn``)
 only as TorchScript modules, deprecated in this torch; ``OneDNNLinear`` is the same call
 (``aten.mkldnn_linear``) in a plain module.
