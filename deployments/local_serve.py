@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import socket
 import time
 from contextlib import contextmanager
@@ -30,8 +31,33 @@ from deployments.client import wait_until_healthy
 REPO = Path(__file__).resolve().parent.parent
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free on every address now, below the kernel's ephemeral range. A port the kernel picked for a
+    bind to 0 lies in that range, where the dozens of Ray processes starting next bind their own: one took a
+    node's metrics port before its agent did, and the node never started ("timed out during startup")."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, _ephemeral_start()))
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as sock:  # a crowded range: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
