@@ -63,6 +63,8 @@ def _generate_parser(sub) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
     from hetspec.config import BatchingConfig, require_unicode
+    from hetspec.linear import uses_onednn
+    from hetspec.models import DTYPES
 
     if args.prompts_file and args.prompt is not None:
         print("hetspec: give a prompt or --prompts-file, not both", file=sys.stderr)
@@ -91,8 +93,10 @@ def _run_generate(args: argparse.Namespace) -> int:
             field = ".".join(str(part) for part in problem["loc"]).replace("_", "-")
             print(f"hetspec: --{field}: {problem['msg']}", file=sys.stderr)
         return 2
-    if args.linear == "onednn" and (args.dtype != "float32" or args.device != "cpu"):
-        print("hetspec: --linear: onednn is for --dtype float32 on the CPU (hetspec/linear.py)", file=sys.stderr)
+    try:  # the library's own rule, before any model loads
+        uses_onednn(args.linear, DTYPES[args.dtype], args.device)
+    except ValueError as error:
+        print(f"hetspec: --linear: {error}", file=sys.stderr)
         return 2
     if args.prompts_file:
         try:

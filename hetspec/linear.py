@@ -9,8 +9,8 @@ only as TorchScript modules, deprecated in this torch; ``OneDNNLinear`` is the s
 (``aten.mkldnn_linear``) in a plain module.
 
 Only the model's own ``nn.Linear`` layers in float32 on the CPU are converted: int8-quantized layers, other
-dtypes and devices keep torch's kernels. The dense weight is dropped (a tied output layer keeps the embedding's,
-which the embedding still uses), so memory stays one copy of each weight.
+dtypes and devices keep torch's kernels. The dense weight is dropped, so each weight is held once, except a tied
+output layer's: the embedding keeps using the dense one, and the oneDNN copy is extra (0.9 GB for Qwen-1.5B).
 """
 
 from __future__ import annotations
