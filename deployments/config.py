@@ -66,8 +66,9 @@ class PipelineConfig(StrictModel):
         "(glibc malloc_trim), so their resident memory follows what they hold; 0: never "
         "(deployments/heap_trim.py says why)."))
     prefill_chunk_tokens: int = Field(128, ge=1, le=65536, description=(
-        "A new request's prompt is fed in passes of at most this many tokens, each a pass of its own between "
-        "the other requests' passes, so a long prompt does not stall their decoding."))
+        "A new request's prompt is fed in chunks of at most this many tokens, one chunk a pass, packed with "
+        "the other requests' decoding rows (hetspec/layouts.py), so a long prompt does not stall their decoding; "
+        "a smaller chunk makes their steps shorter while a prompt is fed and the prompt slower."))
 
     @field_validator("worker_env_vars")
     @classmethod

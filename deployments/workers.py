@@ -11,8 +11,8 @@ library's (a generator of passes), and every computation of every call shares th
 ``hetspec.kv.SharedPasses``: one pass feeds every request waiting at that moment, and a call that arrives
 while a pass runs joins the next one (drafts of several requests advance together, one verification pass
 checks every request's draft). A session's prompt is prefilled in chunks when it opens
-(``pipeline.prefill_chunk_tokens``), each chunk a pass of its own, so a long prompt delays the others by
-one chunk at a time.
+(``pipeline.prefill_chunk_tokens``), each chunk in a pass with the others' rows, packed (hetspec/layouts.py),
+so a long prompt delays the others by one chunk's cost at a time.
 
 Large tensors leave through ``store`` and arrive through ``fetch`` (``ray.put`` / ``ray.get`` in actors):
 ``draft_probs`` [k, target_vocab] travels by object reference from the drafter to the target.

@@ -4,9 +4,10 @@ Layout: per layer a preallocated keys and a values buffer [rows, kv_heads, capac
 (``KVSession``) owns one row and a length: its tokens sit in slots 0..length-1 of that row, in order, so
 slot = position. Rollback to the accepted prefix only lowers the length (nothing is copied); a token
 tree's accepted path is compacted inside the row (``keep``). A batched pass (``forward``) feeds a ragged
-set of rows: row b's n_b new tokens are written at slots length_b.., the pass attends to slots
-0..max(length_b + n) through an explicit mask, so different lengths, candidate counts and trees share
-one pass. Nothing is copied per step, except the rows' used slots when a pass's rows are not contiguous.
+set of rows: row b's n_b new tokens are written at slots length_b.., each query attends to its row's
+slots through an explicit mask, so different lengths, candidate counts and trees share one pass. The
+pass is laid out padded (rows of equal width; the keys read in place) or packed (one sequence, no
+padding; the keys gathered), whichever costs less: hetspec/layouts.py.
 
 Why not transformers' ``DynamicCache`` per request (what this replaced): a batched pass needs one tensor
 over all rows, so per-request caches would be stacked (copied) every step, and ``DynamicCache`` itself
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hetspec import layouts
 
 if TYPE_CHECKING:
     from hetspec.models import LanguageModel
@@ -138,56 +140,6 @@ class KVPool:
             self.rows, self.capacity = new_rows, new_capacity
 
 
-class _RowLayer(CacheLayerMixin):
-    """One layer of one pass: writes the new keys/values into the rows' slots, returns the rows' used slots."""
-
-    is_sliding = False
-
-    def __init__(self, pool: KVPool, index: int, pass_: "_Pass"):
-        super().__init__()
-        self.pool, self.index, self.pass_ = pool, index, pass_
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # the pool preallocates
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        # key_states: [batch, kv_heads, fed, head_dim]
-        pass_ = self.pass_
-        keys, values = self.pool.keys[self.index], self.pool.values[self.index]
-        keys[pass_.row_index, :, pass_.slots] = key_states.transpose(1, 2).to(keys.dtype)
-        values[pass_.row_index, :, pass_.slots] = value_states.transpose(1, 2).to(values.dtype)
-        return pass_.read(keys), pass_.read(values)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.pass_.used, 0
-
-    def get_seq_length(self) -> int:
-        return self.pass_.used - self.pass_.fed
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class _Pass(Cache):
-    """The cache a batched forward pass sees: a view of some rows of the pool."""
-
-    def __init__(self, pool: KVPool, rows: list[int], slots: torch.Tensor, used: int):
-        self.pool = pool
-        self.row_index = torch.tensor(rows, dtype=torch.long, device=pool.device)[:, None]  # [batch, 1]
-        self.slots = slots  # [batch, fed]
-        self.fed = slots.shape[1]
-        self.used = used
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        self.row_slice = slice(rows[0], rows[0] + len(rows)) if contiguous else None
-        super().__init__(layers=[_RowLayer(pool, index, self) for index in range(pool.layers)])
-
-    def read(self, buffer: torch.Tensor) -> torch.Tensor:  # -> [batch, kv_heads, used, head_dim]
-        if self.row_slice is not None:
-            return buffer[self.row_slice, :, :self.used]  # a view: nothing copied
-        return buffer[:, :, :self.used].index_select(0, self.row_index[:, 0])
-
-
 @dataclass
 class Feed:
     """Tokens to feed after a session's cached ones and how many of their logits to return.
@@ -266,29 +218,16 @@ class KVSession:
         self.row, self.length = None, 0
 
 
-def _ancestors(parents: Sequence[int]) -> torch.Tensor:
-    """[count, count] bool: token i sees token j (j is i or an ancestor of i among the fed tokens)."""
-    seen = torch.eye(len(parents), dtype=torch.bool)
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            seen[node] |= seen[parent]
-    return seen
-
-
-def _depths(parents: Sequence[int]) -> torch.Tensor:  # [count] offset of each fed token from the first
-    depth = torch.zeros(len(parents), dtype=torch.long)
-    for node, parent in enumerate(parents):
-        depth[node] = depth[parent] + 1 if parent >= 0 else 0
-    return depth
+# A padded pass of more than this many times the feeds' real tokens is run packed (hetspec/layouts.py): the
+# gather that packing costs is small beside linear layers computing that much padding.
+PACK_ABOVE_PADDING = 1.5
 
 
 @torch.inference_mode()
-def forward(language_model: "LanguageModel", feeds: list[Feed]) -> list[torch.Tensor]:
-    """One batched pass over the feeds' sessions (distinct) of ``language_model``.
-
-    Each feed is placed at the end of its query row (left padding), so the kept logits of every row are
-    the pass's last ``max(logits_to_keep)``. Padding queries see only their own slot, beyond the row's
-    length, so they change nothing. Returns per feed its float32 logits  # [logits_to_keep, vocab]
+def forward(language_model: "LanguageModel", feeds: list[Feed], packed: bool | None = None) -> list[torch.Tensor]:
+    """One batched pass over the feeds' sessions (distinct) of ``language_model``; ``packed``: the layout
+    (hetspec/layouts.py), None picks packed where padding would cost more than ``PACK_ABOVE_PADDING`` times
+    the real tokens. Returns per feed its float32 logits  # [logits_to_keep, vocab]
     """
     if not feeds or any(not feed.token_ids for feed in feeds):
         raise ValueError("every feed needs at least one token")
@@ -300,51 +239,25 @@ def forward(language_model: "LanguageModel", feeds: list[Feed]) -> list[torch.Te
             feed.session.row = pool.take_row()
     order = sorted(range(len(feeds)), key=lambda index: feeds[index].session.row)  # contiguous rows read as a view
     feeds = [feeds[index] for index in order]
-    fed = max(len(feed.token_ids) for feed in feeds)
-    lengths = torch.tensor([feed.session.length for feed in feeds])  # [batch]
-    used = int(lengths.max()) + fed
-    pool.reserve(max(feed.session.row for feed in feeds) + 1, used)
-    counts = torch.tensor([len(feed.token_ids) for feed in feeds])  # [batch]
-    input_ids = torch.tensor([[0] * (fed - len(feed.token_ids)) + feed.token_ids for feed in feeds])  # [batch, fed]
-    query = torch.arange(fed)[None, :]
-    pad = (fed - counts)[:, None]
-    real = query >= pad  # [batch, fed]; padding queries come first
-    # a real query's slot follows the row's tokens; a padding query writes a scratch slot past them
-    slots = torch.where(real, lengths[:, None] + query - pad, lengths[:, None] + counts[:, None] + query)
-    keys = torch.arange(used)
-    # a chain query sees every slot up to its own; a padding query only its own
-    visible = torch.where(real[:, :, None], keys <= slots[:, :, None], keys == slots[:, :, None])  # [batch, fed, used]
-    query_positions = slots.clone()  # slot = position, except inside a tree
-    key_positions = keys.repeat(len(feeds), 1)  # [batch, used]
-    for b, feed in enumerate(feeds):
-        if feed.parents is None:
-            continue
-        count, length, first = len(feed.token_ids), int(lengths[b]), fed - len(feed.token_ids)
-        tree_positions = length + _depths(feed.parents)
-        query_positions[b, first:] = tree_positions
-        key_positions[b, length:length + count] = tree_positions
-        visible[b, first:, length:length + count] = _ancestors(feed.parents)
-    masks = {}
-    layer_types = pool.layer_types or ["full_attention"]
-    for layer_type in set(layer_types):
-        allowed = visible
-        if layer_type == "sliding_attention" and pool.sliding_window:
-            # a query sees itself: its key's position is its own, always inside the window
-            allowed = visible & (key_positions[:, None, :] > query_positions[:, :, None] - pool.sliding_window)
-        mask = torch.zeros(allowed.shape, dtype=pool.dtype).masked_fill_(~allowed, torch.finfo(pool.dtype).min)
-        masks[layer_type] = mask[:, None].to(pool.device)  # [batch, 1, fed, used]
-    kept = max(feed.logits_to_keep for feed in feeds)
+    counts = [len(feed.token_ids) for feed in feeds]
+    if packed is None:
+        packed = len(feeds) * max(counts) > PACK_ABOVE_PADDING * sum(counts)
+    pool.reserve(max(feed.session.row for feed in feeds) + 1,
+                 max(feed.session.length for feed in feeds) + max(counts))
+    layout = (layouts.packed if packed else layouts.padded)(pool, feeds)
+    masks = layouts.attention_masks(pool, layout)
     device = pool.device
+    kept = layout.logits_to_keep if isinstance(layout.logits_to_keep, int) else layout.logits_to_keep.to(device)
     with pool.guard.shared():
-        cache = _Pass(pool, [feed.session.row for feed in feeds], slots.to(device), used)
         output = language_model.model(
-            input_ids=input_ids.to(device), cache=cache, use_cache=True, position_ids=query_positions.to(device),
+            input_ids=layout.input_ids.to(device), cache=layout.cache, use_cache=True,
+            position_ids=layout.query_positions.to(device),
             attention_mask=masks if pool.layer_types else masks["full_attention"], logits_to_keep=kept)
     logits = output.logits  # [batch, kept, vocab]
     results: list[torch.Tensor] = [None] * len(feeds)  # type: ignore[list-item]
-    for b, feed in enumerate(feeds):
+    for (b, rows), feed, index in zip(layout.kept, feeds, order):
         feed.session.length += len(feed.token_ids)
-        results[order[b]] = logits[b, kept - feed.logits_to_keep:].float()
+        results[index] = logits[b, rows].float()
     return results
 
 
@@ -352,8 +265,8 @@ def forward(language_model: "LanguageModel", feeds: list[Feed]) -> list[torch.Te
 Steps = Generator[Feed, torch.Tensor, Any]
 
 
-# A feed longer than this (a prompt, or a prompt's chunk) gets a pass of its own.
-ALONE_ABOVE_TOKENS = 32
+# A feed longer than this is a prompt's chunk: at most one joins a pass (a token budget per pass).
+LONG_ABOVE_TOKENS = 32
 
 
 class _Lockstep:
@@ -379,30 +292,28 @@ class _Lockstep:
             done(key, None, error)
 
     def run_pass(self, done: Callable[[Any, Any, BaseException | None], None]) -> None:
-        """Feed the waiting computations: the short feeds in one pass, then the long feed (a prompt's chunk) of
-        the computation that came first, in a pass of its own, since left padding would widen every other row
-        of the pass to its length. One long feed a round, first come first served: the first prompt is done
-        (and its request decodes) before the next starts, instead of every prompt finishing in the last round;
-        the others' decoding goes on between the chunks either way."""
-        short = [key for key in self.waiting if len(self.waiting[key][1].token_ids) <= ALONE_ABOVE_TOKENS]
-        groups = [short] if short else []
+        """Feed the waiting computations in one pass: every short feed and the long feed (a prompt's chunk) of
+        the computation that came first; the pass is packed when the widths differ (``forward``), so the chunk
+        widens no other row. One long feed a pass, first come first served: the first prompt is done (and its
+        request decodes) before the next starts, instead of every prompt finishing in the last round, and
+        the others' decoding goes on in every pass."""
         # dict order is arrival order: a computation keeps its place while it waits again
-        first_long = next((key for key in self.waiting if len(self.waiting[key][1].token_ids) > ALONE_ABOVE_TOKENS),
+        short = [key for key in self.waiting if len(self.waiting[key][1].token_ids) <= LONG_ABOVE_TOKENS]
+        first_long = next((key for key in self.waiting if len(self.waiting[key][1].token_ids) > LONG_ABOVE_TOKENS),
                           None)
-        groups += [[first_long]] if first_long is not None else []
-        for keys in groups:
-            self.passes += 1
-            self.rows += len(keys)
-            self.on_pass(len(keys))
-            try:
-                all_logits = forward(self.language_model, [self.waiting[key][1] for key in keys])
-            except Exception as error:
-                for key in keys:
-                    self.waiting.pop(key)[0].close()
-                    done(key, None, error)
-                continue
-            for key, logits in zip(keys, all_logits):
-                self.advance(key, self.waiting[key][0], logits, done)
+        keys = short + ([first_long] if first_long is not None else [])
+        self.passes += 1
+        self.rows += len(keys)
+        self.on_pass(len(keys))
+        try:
+            all_logits = forward(self.language_model, [self.waiting[key][1] for key in keys])
+        except Exception as error:
+            for key in keys:
+                self.waiting.pop(key)[0].close()
+                done(key, None, error)
+            return
+        for key, logits in zip(keys, all_logits):
+            self.advance(key, self.waiting[key][0], logits, done)
 
 
 def run_lockstep(language_model: "LanguageModel", computations: Sequence[Steps]) -> list[Any]:

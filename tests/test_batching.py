@@ -169,26 +169,38 @@ def test_load_adaptive_draft_length_changes_speed_only(engine, gemma):
     assert all(0 <= result.stats.mean_draft_length <= 5 for result in adaptive)
 
 
-def test_ragged_passes_past_gemmas_sliding_window_equal_one_full_pass(gemma):
-    """Rows of different lengths (one past the 512-token window) in one pass, a rollback, and a tree: each row's
-    logits equal a plain forward of that row's tokens alone."""
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_ragged_passes_past_gemmas_sliding_window_equal_one_full_pass(gemma, packed):
+    """Rows of different lengths (one past the 512-token window) and a token tree in one pass, either layout
+    (hetspec/layouts.py), then a rollback: each row's logits equal a plain forward of that row's tokens alone."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, 20000, (620,), generator=generator).tolist()
     with torch.inference_mode():
         full = gemma.model(input_ids=torch.tensor([ids])).logits[0].float()
-    long, short = gemma.new_session(), gemma.new_session()
+        # the tree: ids[60] with two children, ids[61] (on the chain) and 7; then ids[62] under ids[61]
+        branch = gemma.model(input_ids=torch.tensor([ids[:61] + [7]])).logits[0, -1].float()
+    long, short, tree = gemma.new_session(), gemma.new_session(), gemma.new_session()
     try:
         long.extend(ids[:600], 1)
         short.extend(ids[:40], 1)
-        long_logits, short_logits = forward(gemma, [Feed(long, ids[600:605], 5), Feed(short, ids[40:41], 1)])
+        tree.extend(ids[:60], 1)
+        long_logits, short_logits, tree_logits = forward(
+            gemma, [Feed(long, ids[600:605], 5), Feed(short, ids[40:41], 1),
+                    Feed(tree, [ids[60], ids[61], 7, ids[62]], 4, parents=[-1, 0, 0, 1])], packed=packed)
         assert torch.allclose(long_logits, full[600:605], atol=2e-4)
         assert torch.allclose(short_logits, full[40:41], atol=2e-4)
+        assert torch.allclose(tree_logits[[0, 1, 3]], full[60:63], atol=2e-4)
+        assert torch.allclose(tree_logits[2], branch, atol=2e-4)
         long.rollback(602)
         assert torch.allclose(long.extend(ids[602:620], 2), full[618:620], atol=2e-4)
         assert long.nbytes == 620 * gemma.kv_pool.bytes_per_token
+        tree.keep([*range(60), 60, 61, 63])  # the chain's path: the next pass reads its keys where they now are
+        assert torch.allclose(forward(gemma, [Feed(tree, ids[63:64], 1), Feed(short, ids[41:45], 4)],
+                                      packed=packed)[0], full[63:64], atol=2e-4)
     finally:
         long.release()
         short.release()
+        tree.release()
 
 
 def test_batched_sampling_equals_batch_one_seed_for_seed_on_synthetic_models():
@@ -272,7 +284,7 @@ def test_shared_passes_batch_calls_from_many_threads_and_equal_each_alone():
     next pass; each gets what it gets alone; a long prompt's chunks run in passes of their own; one failing
     computation fails alone."""
     model = language_model("target", target_tokenizer(), seed=0)
-    prompts = [[index % 4] * (3 + 7 * index) for index in range(10)]  # 3 to 66 tokens: some above ALONE_ABOVE
+    prompts = [[index % 4] * (3 + 7 * index) for index in range(10)]  # 3 to 66 tokens: some above LONG_ABOVE_TOKENS
     alone = [run_alone(model, _greedy(model, prompt, 6)) for prompt in prompts]
     shared = SharedPasses(model)
     results: dict[int, object] = {}
@@ -305,7 +317,7 @@ def test_long_prompts_are_prefilled_first_come_first_served_between_the_others_p
         session = model.new_session()
         try:
             while session.length < length:
-                yield Feed(session, [1] * min(40, length - session.length), 1)  # 40 > ALONE_ABOVE_TOKENS
+                yield Feed(session, [1] * min(40, length - session.length), 1)  # 40 > LONG_ABOVE_TOKENS
                 fed.append(name)
         finally:
             session.release()
