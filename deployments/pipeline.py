@@ -382,7 +382,9 @@ class LocalWorker:
         return self.call(method, *args)
 
     def call_detached(self, method: str, *args) -> Awaitable:
-        return self.call(method, *args)
+        # shielded: a cancelled waiter (the loop shutting down, asyncio.run's end) must not cancel a close still
+        # queued for a thread, which then never ran and left the request's KV rows taken
+        return asyncio.shield(self.call(method, *args))
 
     def pinned(self) -> "LocalWorker":
         return self

@@ -90,23 +90,26 @@ def test_target_tree_verification_past_gemmas_sliding_window(gemma):
     """A tree verified at a 700-token context (Gemma's sliding layers see 512) accepts the target's own
     greedy branch and leaves the cache equal to a fresh prefill of the committed ids."""
     prompt_ids = gemma.encode_prompt("All work and no play makes Jack a dull boy. " * 70)[:700]
-    reference = gemma.new_session()
-    greedy = []
-    logits = reference.extend(prompt_ids, logits_to_keep=1)
-    for _ in range(4):
-        greedy.append(int(logits[-1].argmax()))
-        logits = reference.extend(greedy[-1:], logits_to_keep=1)
-    side = TargetSide(gemma, prompt_ids)
-    side.session.extend(prompt_ids[:-1], logits_to_keep=1)  # the invariant: all but the last committed id cached
-    wrong = (greedy[1] + 1) % gemma.vocab_size
-    tree = trie([[greedy[0], wrong, 5], greedy[:3], [greedy[0], greedy[1], 9]])
-    new_ids = run_alone(gemma, side.verify(ALGORITHM_CLASSES["slem"](None, SpeculationConfig()), Draft(tree=tree),
-                                           SamplingParams()))
-    assert new_ids == greedy
-    assert side.session.length == len(side.ids) - 1
-    next_logits = side.session.extend(side.ids[-1:], logits_to_keep=1)[-1]
-    fresh = gemma.new_session().extend(side.ids, logits_to_keep=1)[-1]
-    assert torch.allclose(next_logits, fresh, atol=2e-4)
+    reference, fresh, side = gemma.new_session(), gemma.new_session(), TargetSide(gemma, prompt_ids)
+    try:
+        greedy = []
+        logits = reference.extend(prompt_ids, logits_to_keep=1)
+        for _ in range(4):
+            greedy.append(int(logits[-1].argmax()))
+            logits = reference.extend(greedy[-1:], logits_to_keep=1)
+        side.session.extend(prompt_ids[:-1], logits_to_keep=1)  # the invariant: all but the last committed id cached
+        wrong = (greedy[1] + 1) % gemma.vocab_size
+        tree = trie([[greedy[0], wrong, 5], greedy[:3], [greedy[0], greedy[1], 9]])
+        new_ids = run_alone(gemma, side.verify(ALGORITHM_CLASSES["slem"](None, SpeculationConfig()), Draft(tree=tree),
+                                               SamplingParams()))
+        assert new_ids == greedy
+        assert side.session.length == len(side.ids) - 1
+        next_logits = side.session.extend(side.ids[-1:], logits_to_keep=1)[-1]
+        fresh_logits = fresh.extend(side.ids, logits_to_keep=1)[-1]
+        assert torch.allclose(next_logits, fresh_logits, atol=2e-4)
+    finally:  # the session-wide model's rows back for the tests after this one
+        for session in (reference, fresh, side.session):
+            session.release()
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
@@ -139,3 +142,5 @@ def test_served_decode_loop_with_a_draft_tree_equals_the_target_alone(gemma, smo
     events = asyncio.run(run())
     assert [token for event in events for token in event.token_ids] == reference
     assert events[-1].stats.accepted_tokens > 0
+    assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0
+    assert gemma.kv_pool.taken == set() and smollm.kv_pool.taken == set()
