@@ -5,16 +5,17 @@ requests run their steps on their own tasks, kept in step by ``StepBatches`` (de
 the steps are counted in rounds: a request asking again starts a new round, whose cap is chosen over the
 replica's running requests as they stand then, and every request asking within the round gets that cap (the
 policy's probes and its exploring steps then count steps, as in process, not requests). The policy is
-the library's, unchanged. The pass costs are measured from the batched calls ``StepBatches`` sends: a
-``verify_many`` call is one target pass over every request in it, a ``draft_many`` call of k positions k drafter
-passes. It changes which tokens are drafted, never which are output.
+the library's, unchanged. The prices: the target's from its own passes (``VerifyResult.passes``: each pass without a
+prompt's chunk, timed around the pass), not from the ``verify_many`` calls, whose time also holds a pass they
+shared with a prompt's chunk or waited for; the drafter's from the ``draft_many`` calls (k positions: k passes).
+It changes which tokens are drafted, never which are output.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from hetspec.adaptive import LoadAdaptive, fed_tokens
+from hetspec.adaptive import LoadAdaptive
 
 
 class ReplicaLoadAdaptive:
@@ -44,8 +45,9 @@ class ReplicaLoadAdaptive:
         done = [(item, outcome) for item, outcome in zip(items, outcomes) if not isinstance(outcome, BaseException)]
         if not done:
             return
-        if method == "verify_many":  # items: (request_id, draft); every row feeds its candidates and one id
-            self.policy.record_target(len(done), fed_tokens([draft for (_, draft), _ in done]), done[0][1].seconds)
+        if method == "verify_many":  # outcomes: VerifyResult, the first with the target's passes since the last call
+            for rows, tokens, seconds in done[0][1].passes:
+                self.policy.record_target(rows, tokens, seconds)
         elif method == "draft_many":  # outcomes: Draft, each with the call's drafter time
             passes = max(draft.drafter_forwards for _, draft in done)
             self.policy.record_drafter(len(done), passes, done[0][1].seconds)

@@ -24,8 +24,9 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
 from hetspec.decoder import TargetSide
-from hetspec.kv import SharedPasses, prefill
+from hetspec.kv import PassRecord, SharedPasses, prefill
 from hetspec.models import LanguageModel, load_model
 from hetspec.output import TokenLogprob
 from hetspec.tree import TokenTree
@@ -72,6 +73,9 @@ class VerifyResult:
     new_ids: list[int]  # accepted candidates and the target's own next token
     seconds: float = 0.0  # time inside the target
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked for them
+    # the target's step passes since the previous verify_many returned: (rows, tokens fed, seconds) each, for the
+    # load-adaptive price fit (deployments/load_adaptive.py); on the first result of a call, empty on the others
+    passes: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 # a request between steps (its other model's pass, the coordinator's turn) still counts as served here
@@ -150,9 +154,9 @@ class _Worker:
         finally:
             self._count_call(-len(items))
 
-    def _record_pass(self, rows: int) -> None:
+    def _record_pass(self, record: PassRecord) -> None:
         self._metrics.passes.inc(tags=self._tags)
-        self._metrics.pass_rows.observe(rows, tags={"role": self.role})
+        self._metrics.pass_rows.observe(record.rows, tags={"role": self.role})
 
     def close(self, request_id: str) -> bool:
         closed = self.sessions.close(request_id)
@@ -252,6 +256,21 @@ class TargetWorker(_Worker):
                  fetch: Callable[[Any], torch.Tensor] = _same):
         super().__init__(model, pipeline, release=lambda session: session.side.release())
         self.fetch = fetch
+        # Why passes and not verify calls: a call's time also holds the passes it waited for, and a pass it shared
+        # with a prompt's chunk (a pass ~8x dearer); priced from those, the policy misread the cost of drafting
+        self._step_passes: deque[tuple[int, int, float]] = deque(maxlen=64)
+        self._step_passes_guard = threading.Lock()
+
+    def _record_pass(self, record: PassRecord) -> None:
+        super()._record_pass(record)
+        if not record.prompt_chunk:  # a step's pass: what a draft length choice changes
+            with self._step_passes_guard:
+                self._step_passes.append((record.rows, record.tokens, record.seconds))
+
+    def _drain_step_passes(self) -> list[tuple[int, int, float]]:
+        with self._step_passes_guard:
+            passes, self._step_passes = list(self._step_passes), deque(maxlen=64)
+        return passes
 
     def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
              params: SamplingParams) -> None:
@@ -269,8 +288,13 @@ class TargetWorker(_Worker):
             return VerifyResult(new_ids, logprobs=session.side.step_logprobs)
 
         outcomes, seconds = self._run_for([(request_id, (draft,)) for request_id, draft in items], verify)
-        return [outcome if isinstance(outcome, BaseException) else replace(outcome, seconds=seconds)
-                for outcome in outcomes]
+        passes = self._drain_step_passes()
+        results = []
+        for outcome in outcomes:
+            if not isinstance(outcome, BaseException):
+                outcome, passes = replace(outcome, seconds=seconds, passes=passes), []
+            results.append(outcome)
+        return results
 
     def _draft_probs(self, draft: Draft, session: _TargetSession) -> torch.Tensor | None:
         """[len(candidates), target_vocab] rows of the stored draft distribution, or None (a point-mass draft's

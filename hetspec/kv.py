@@ -25,6 +25,7 @@ last session closes. Memory per token: ``bytes_per_token``; per request: ``KVSes
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -261,6 +262,16 @@ def forward(language_model: "LanguageModel", feeds: list[Feed], packed: bool | N
     return results
 
 
+@dataclass
+class PassRecord:
+    """One batched pass, as ``_Lockstep`` reports it (its ``on_pass``)."""
+
+    rows: int  # feeds
+    tokens: int  # tokens fed, over all feeds
+    seconds: float
+    prompt_chunk: bool  # a feed above LONG_ABOVE_TOKENS (a prompt's chunk) was in it
+
+
 # A computation that needs model passes: it yields a Feed, gets back that feed's logits, and returns its result.
 Steps = Generator[Feed, torch.Tensor, Any]
 
@@ -273,9 +284,10 @@ class _Lockstep:
     """Computations in lockstep: ``advance`` starts or resumes one, ``run_pass`` feeds every waiting one in
     one batched pass. A computation that raises fails alone; a pass that raises fails the ones it fed."""
 
-    def __init__(self, language_model: "LanguageModel", on_pass: Callable[[int], None] = lambda rows: None) -> None:
+    def __init__(self, language_model: "LanguageModel",
+                 on_pass: Callable[[PassRecord], None] = lambda record: None) -> None:
         self.language_model = language_model
-        self.on_pass = on_pass  # called with each pass's rows
+        self.on_pass = on_pass  # called after each pass
         self.waiting: dict[Any, tuple[Steps, Feed]] = {}  # by key: the computation and the feed it waits on
         self.passes = 0
         self.rows = 0  # feeds over all passes
@@ -302,16 +314,19 @@ class _Lockstep:
         first_long = next((key for key in self.waiting if len(self.waiting[key][1].token_ids) > LONG_ABOVE_TOKENS),
                           None)
         keys = short + ([first_long] if first_long is not None else [])
+        feeds = [self.waiting[key][1] for key in keys]
         self.passes += 1
         self.rows += len(keys)
-        self.on_pass(len(keys))
+        tick = time.perf_counter()
         try:
-            all_logits = forward(self.language_model, [self.waiting[key][1] for key in keys])
+            all_logits = forward(self.language_model, feeds)
         except Exception as error:
             for key in keys:
                 self.waiting.pop(key)[0].close()
                 done(key, None, error)
             return
+        self.on_pass(PassRecord(len(feeds), sum(len(feed.token_ids) for feed in feeds), time.perf_counter() - tick,
+                                first_long is not None))
         for key, logits in zip(keys, all_logits):
             self.advance(key, self.waiting[key][0], logits, done)
 
@@ -350,7 +365,7 @@ class SharedPasses:
 
     def __init__(self, language_model: "LanguageModel",
                  execute: Callable[..., Any] = lambda work, *args: work(*args),
-                 on_pass: Callable[[int], None] = lambda rows: None) -> None:
+                 on_pass: Callable[[PassRecord], None] = lambda record: None) -> None:
         self.execute = execute
         self._lockstep = _Lockstep(language_model, on_pass)
         self._guard = threading.Lock()

@@ -32,13 +32,16 @@ def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_dr
     requests = [_Request() for _ in range(8)]
     for request in requests:
         adaptive.join(request, lambda: 5)
-    # verify batches of 8 rows: 8 tokens fed (no drafts) cost 0.2 s, 48 tokens (k = 5) 5.4 s: compute-bound
+    # verify batches of 8 rows: 8 tokens fed (no drafts) cost 0.2 s, 48 tokens (k = 5) 5.4 s: compute-bound. The
+    # calls took longer (a prompt's chunk was fed meanwhile): the prices are the passes', which the first result carries
     for drafted, seconds in ((0, 0.2), (5, 5.4), (0, 0.2), (5, 5.4)):
         items = [(str(index), Draft(candidates=[1] * drafted)) for index in range(8)]
-        adaptive.on_batch("verify_many", items, [VerifyResult([1], seconds)] * 8)
+        results = [VerifyResult([1], seconds + 2.5, passes=[(8, 8 * (1 + drafted), seconds)])]
+        adaptive.on_batch("verify_many", items, results + [VerifyResult([1], seconds + 2.5)] * 7)
     for rows, seconds in ((8, 0.5), (2, 0.3)):  # draft_many of 5 positions
         items = [(str(index), b"", 5, 0, 0) for index in range(rows)]
         adaptive.on_batch("draft_many", items, [Draft(candidates=[1] * 5, drafter_forwards=5, seconds=seconds)] * rows)
+    assert adaptive.policy.target_passes == [(8, 0.2), (8, 0.2), (48, 5.4), (48, 5.4)]
     assert adaptive.policy.target_cost[1] > 0.1 and adaptive.policy.drafter_cost is not None
     assert [adaptive.cap(request) for request in requests] == [0] * 8
     assert len(adaptive.policy.chosen) == 1, "one choice for the round of eight requests, as one step in process"
@@ -89,3 +92,24 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm
     assert {k for _, k in policy.chosen} >= {0}, "it probed k = 0 (plain batched decoding)"
     assert any(stats.drafted_tokens for _, stats in served)
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not coordinator.load_adaptive.running
+
+
+def test_the_target_worker_hands_back_its_step_passes_not_a_prompt_chunks(gemma):
+    """The prices come from passes: a verify call returns the target's passes since the last call, each timed, and
+    leaves out a pass that fed a prompt's chunk (it costs what its chunk costs, not what a draft length does)."""
+    from deployments.config import AppConfig
+    from deployments.workers import TargetWorker
+
+    config = AppConfig.model_validate(small_app_args())
+    worker = TargetWorker(gemma, config.pipeline)
+    prompt_ids = gemma.encode_prompt("def fibonacci(n):\n    " * 12)  # a chunk above 32 tokens: a prompt's chunk
+    assert len(prompt_ids) > 40
+    worker.open("a", prompt_ids, "slem", SpeculationConfig(), SamplingParams(max_new_tokens=4))
+    try:
+        [first] = worker.verify_many([("a", Draft(candidates=[5, 6]))])
+        assert [(rows, tokens) for rows, tokens, _ in first.passes] == [(1, 3)]  # the prefill's pass left out
+        assert first.passes[0][2] > 0
+        [second] = worker.verify_many([("a", Draft())])
+        assert [(rows, tokens) for rows, tokens, _ in second.passes] == [(1, 1)]  # drained by the first call
+    finally:
+        worker.close("a")
