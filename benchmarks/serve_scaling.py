@@ -10,7 +10,10 @@ Steps, one after the other (never two at once on this machine):
 2. the server of this checkout (``serve run`` of the config): ``serve_bench`` at each concurrency with the
    config's speculation (gRPC and HTTP) and with ``algorithm: ar`` (speculation off, gRPC); with
    ``--pipelined-too`` also with per-request pipelining on (gRPC, ``served-pipelined``);
-3. the server of ``--baseline-commit`` (a git worktree; the unbatched server) with the config's speculation.
+3. the server of ``--baseline-commit`` (a git worktree; the unbatched server) with the config's speculation;
+4. with ``--hf-after``, step 1 again (``hf-batched-after``): this shared machine's speed drifts (the same
+   in-process decoding took 15 s and 22 s twenty minutes apart), and the server's levels sit between the two
+   transformers runs; the ratios to transformers are then to the mean of both.
 
 Each level sends as many requests as clients (two at concurrency 1), closed loop, ``--max-new-tokens`` each.
 Writes result.json, README.md (tokens/s by method and concurrency, ratios, TTFT/TPOT) and throughput.png.
@@ -55,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pipelined-too", action="store_true",
                         help="also the config's speculation with per-request pipelining on (gRPC): the drafter drafts "
                         "a request's next chunk while the target verifies, so both models work on different requests")
+    parser.add_argument("--hf-after", action="store_true",
+                        help="run transformers' batched generate again after the servers, to bracket the machine's drift")
     parser.add_argument("--reuse", action="store_true", help="keep the steps already measured in --out (hf.json, "
                         "raw/<label>-c<n>): a run cut short resumes where it stopped")
     args = parser.parse_args(argv)
@@ -167,20 +172,23 @@ def markdown(result: dict) -> str:
              f"{result['settings']['max_new_tokens']} new tokens, HumanEval prompts):", ""]
     names = list(methods)
     levels = result["settings"]["concurrency"]
-    lines += ["| clients | " + " | ".join(names) + " | served / 1 client | served / hf-batched | served / spec off |",
+    transformers = "hf-batched (mean of both runs)" if "hf-batched-after" in methods else "hf-batched"
+    lines += ["| clients | " + " | ".join(names) + f" | served / 1 client | served / {transformers} | served / spec off |",
               "|" + "---|" * (len(names) + 4)]
     served = methods.get("served-grpc", {})
     for concurrency in levels:
         cells = [f"{methods[name][concurrency]['tokens_per_second']:.2f}" if concurrency in methods[name] else "-"
                  for name in names]
 
-        def ratio(other: str) -> str:
-            mine, theirs = served.get(concurrency), methods.get(other, {}).get(concurrency)
-            return f"{mine['tokens_per_second'] / theirs['tokens_per_second']:.2f}x" if mine and theirs else "-"
+        def ratio(*others: str) -> str:  # to the mean of the others' measurements of this level
+            mine = served.get(concurrency)
+            theirs = [methods[other][concurrency]["tokens_per_second"] for other in others
+                      if concurrency in methods.get(other, {})]
+            return f"{mine['tokens_per_second'] * len(theirs) / sum(theirs):.2f}x" if mine and theirs else "-"
 
         scale = (f"{served[concurrency]['tokens_per_second'] / served[levels[0]]['tokens_per_second']:.2f}x"
                  if concurrency in served and levels[0] in served else "-")
-        lines.append(f"| {concurrency} | " + " | ".join(cells) + f" | {scale} | {ratio('hf-batched')} | "
+        lines.append(f"| {concurrency} | " + " | ".join(cells) + f" | {scale} | {ratio('hf-batched', 'hf-batched-after')} | "
                      f"{ratio('served-ar-grpc')} |")
     lines += ["", "Latency of the batching server with speculation (ms, p50 / p99):", "",
               "| clients | protocol | TTFT | TPOT | tokens per target pass |", "|---|---|---|---|---|"]
@@ -241,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
                     methods["unbatched-server-grpc"] = {c: rows["grpc"] for c, rows in old.items()}
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO)
+    if args.hf_after and "hf" not in args.skip:
+        cached = args.out / "hf-after.json"
+        if args.reuse and cached.exists():
+            methods["hf-batched-after"] = {int(c): row for c, row in json.loads(cached.read_text()).items()}
+        else:
+            methods["hf-batched-after"] = run_hf(args, config)
+            cached.write_text(json.dumps(methods["hf-batched-after"], indent=1) + "\n")
     result = {"meta": report.provenance(argv, "cpu", "benchmarks.serve_scaling"),
               "settings": {"pair": f"{app['target']['model']} ({app['target']['dtype']}) <- {app['drafter']['model']}",
                            "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
