@@ -101,15 +101,15 @@ def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: in
         pool = loader if setting == "loading thread" else runner
         pool.submit(_token_ms, model, 3).result()
         return pool.submit(_token_ms, model, tokens).result()
-    in_flight = [1]
-    lanes = ModelThreads("bench", lanes=2, threads=threads, in_flight=lambda: in_flight[0])
+    at_other_model = [0]
+    lanes = ModelThreads("bench", lanes=2, threads=threads, at_other_model=lambda: at_other_model[0])
     model = lanes.run(load)[0]
     lanes.run(_token_ms, model, 3)
     if setting == "first lane after a burst":
         with ThreadPoolExecutor(2) as callers:
             list(callers.map(lambda _: lanes.run(_token_ms, model, 10), range(2)))
     if setting == "first lane, other requests in flight":
-        in_flight[0] = 2
+        at_other_model[0] = 1
     if setting == "batched, on ModelThreads":
         from hetspec.kv import SharedPasses
 
