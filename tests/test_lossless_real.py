@@ -104,16 +104,21 @@ def test_rollback_leaves_exactly_the_accepted_prefix(gemma):
     prompt_ids = gemma.encode_prompt("All work and no play makes Jack a dull boy. " * 60)[:600]
     side = TargetSide(gemma, prompt_ids)
     exact_match = ALGORITHM_CLASSES["slem"](None, SpeculationConfig())
-    greedy = run_alone(gemma, side.verify(exact_match, Draft(), SamplingParams()))[0]
-    wrong = [(greedy + 1) % gemma.vocab_size, 7, 8, 9]
-    committed = list(side.ids)
-    new_ids = run_alone(gemma, side.verify(exact_match, Draft(candidates=wrong), SamplingParams()))
-    assert len(new_ids) == 1, "rejected at the first candidate"
-    assert side.session.length == len(side.ids) - 1 == len(committed)
-    next_logits = side.session.extend(side.ids[-1:], logits_to_keep=1)[-1]
-    fresh = gemma.new_session().extend(side.ids, logits_to_keep=1)[-1]
-    assert torch.allclose(next_logits, fresh, atol=2e-4)
-    assert int(next_logits.argmax()) == int(fresh.argmax())
+    fresh_session = gemma.new_session()
+    try:
+        greedy = run_alone(gemma, side.verify(exact_match, Draft(), SamplingParams()))[0]
+        wrong = [(greedy + 1) % gemma.vocab_size, 7, 8, 9]
+        committed = list(side.ids)
+        new_ids = run_alone(gemma, side.verify(exact_match, Draft(candidates=wrong), SamplingParams()))
+        assert len(new_ids) == 1, "rejected at the first candidate"
+        assert side.session.length == len(side.ids) - 1 == len(committed)
+        next_logits = side.session.extend(side.ids[-1:], logits_to_keep=1)[-1]
+        fresh = fresh_session.extend(side.ids, logits_to_keep=1)[-1]
+        assert torch.allclose(next_logits, fresh, atol=2e-4)
+        assert int(next_logits.argmax()) == int(fresh.argmax())
+    finally:  # the session-wide model's rows back for the tests after this one
+        side.release()
+        fresh_session.release()
 
 
 def test_hugging_face_assisted_generation_agrees(gemma, smollm):

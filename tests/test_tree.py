@@ -137,10 +137,13 @@ def test_served_decode_loop_with_a_draft_tree_equals_the_target_alone(gemma, smo
     request = GenerationRequest(prompt=prompt, params=params, pipelined=pipelined)
 
     async def run():
-        return [event async for event in coordinator.run(coordinator.prepare(request), "tree")]
+        events = [event async for event in coordinator.run(coordinator.prepare(request), "tree")]
+        await coordinator.admission.closes_done()  # closes are fire and forget: the loop must outlive them
+        return events
 
+    taken_before = (set(gemma.kv_pool.taken), set(smollm.kv_pool.taken))  # the session-wide models' other users
     events = asyncio.run(run())
     assert [token for event in events for token in event.token_ids] == reference
     assert events[-1].stats.accepted_tokens > 0
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0
-    assert gemma.kv_pool.taken == set() and smollm.kv_pool.taken == set()
+    assert (gemma.kv_pool.taken, smollm.kv_pool.taken) == taken_before, "the request's KV rows were freed"
