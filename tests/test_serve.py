@@ -101,6 +101,9 @@ def test_grpc_generate_matches_library(grpc_stub, reference):
     assert response.stats.algorithm == "slem"  # auto, greedy, different tokenizers
     assert response.stats.target_forwards <= len(expected.token_ids)
     assert response.stats.drafted_tokens >= response.stats.accepted_tokens
+    # what batching and the draft length policy gave it: itself in every pass at least, and slem drafted
+    assert response.stats.mean_batch_size >= 1.0
+    assert response.stats.mean_draft_length > 0.0
 
 
 def test_grpc_stream_matches_library(grpc_stub, reference):

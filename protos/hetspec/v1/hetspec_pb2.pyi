@@ -63,7 +63,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("algorithm", "target_forwards", "drafter_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_per_pass", "drafter_seconds", "target_seconds", "alignment_seconds", "total_seconds", "tokens_per_second", "pipelined", "pipeline_hits", "pipeline_misses", "drafter_lost", "seed", "drafter_drafts", "drafter_drafted_tokens", "drafter_accepted_tokens", "lookup_drafts", "lookup_drafted_tokens", "lookup_accepted_tokens")
+    __slots__ = ("algorithm", "target_forwards", "drafter_forwards", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_per_pass", "drafter_seconds", "target_seconds", "alignment_seconds", "total_seconds", "tokens_per_second", "pipelined", "pipeline_hits", "pipeline_misses", "drafter_lost", "seed", "drafter_drafts", "drafter_drafted_tokens", "drafter_accepted_tokens", "lookup_drafts", "lookup_drafted_tokens", "lookup_accepted_tokens", "mean_batch_size", "mean_draft_length")
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,8 @@ class SpeculationStats(_message.Message):
     LOOKUP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     algorithm: str
     target_forwards: int
     drafter_forwards: int
@@ -110,7 +112,9 @@ class SpeculationStats(_message.Message):
     lookup_drafts: int
     lookup_drafted_tokens: int
     lookup_accepted_tokens: int
-    def __init__(self, algorithm: _Optional[str] = ..., target_forwards: _Optional[int] = ..., drafter_forwards: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_pass: _Optional[float] = ..., drafter_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., alignment_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., pipelined: _Optional[bool] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., drafter_lost: _Optional[bool] = ..., seed: _Optional[int] = ..., drafter_drafts: _Optional[int] = ..., drafter_drafted_tokens: _Optional[int] = ..., drafter_accepted_tokens: _Optional[int] = ..., lookup_drafts: _Optional[int] = ..., lookup_drafted_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ...) -> None: ...
+    mean_batch_size: float
+    mean_draft_length: float
+    def __init__(self, algorithm: _Optional[str] = ..., target_forwards: _Optional[int] = ..., drafter_forwards: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_per_pass: _Optional[float] = ..., drafter_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., alignment_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., pipelined: _Optional[bool] = ..., pipeline_hits: _Optional[int] = ..., pipeline_misses: _Optional[int] = ..., drafter_lost: _Optional[bool] = ..., seed: _Optional[int] = ..., drafter_drafts: _Optional[int] = ..., drafter_drafted_tokens: _Optional[int] = ..., drafter_accepted_tokens: _Optional[int] = ..., lookup_drafts: _Optional[int] = ..., lookup_drafted_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ..., mean_batch_size: _Optional[float] = ..., mean_draft_length: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "stats", "logprobs")
