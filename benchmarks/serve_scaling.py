@@ -102,6 +102,16 @@ def run_hf(args: argparse.Namespace, config: Path) -> dict:
     return levels
 
 
+def hf_levels(args: argparse.Namespace, config: Path, file: str) -> dict:
+    """``run_hf``'s levels, kept in ``file`` under --out (read back from there with --reuse)."""
+    cached = args.out / file
+    if args.reuse and cached.exists():
+        return {int(c): row for c, row in json.loads(cached.read_text()).items()}
+    levels = run_hf(args, config)
+    cached.write_text(json.dumps(levels, indent=1) + "\n")
+    return levels
+
+
 class Served:
     """``serve run`` of a config from a checkout, in its own process group; stopped by SIGINT (Serve's path)."""
 
@@ -216,12 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     app = yaml.safe_load(config.read_text())["applications"][0]["args"]
     methods: dict[str, dict] = {}
     if "hf" not in args.skip:
-        cached = args.out / "hf.json"
-        if args.reuse and cached.exists():
-            methods["hf-batched"] = {int(c): row for c, row in json.loads(cached.read_text()).items()}
-        else:
-            methods["hf-batched"] = run_hf(args, config)
-            cached.write_text(json.dumps(methods["hf-batched"], indent=1) + "\n")
+        methods["hf-batched"] = hf_levels(args, config, "hf.json")
     def measured(label: str, levels: list[int]) -> bool:
         return args.reuse and all((args.out / "raw" / f"{label}-c{c}" / "results.json").exists() for c in levels)
 
@@ -250,12 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO)
     if args.hf_after and "hf" not in args.skip:
-        cached = args.out / "hf-after.json"
-        if args.reuse and cached.exists():
-            methods["hf-batched-after"] = {int(c): row for c, row in json.loads(cached.read_text()).items()}
-        else:
-            methods["hf-batched-after"] = run_hf(args, config)
-            cached.write_text(json.dumps(methods["hf-batched-after"], indent=1) + "\n")
+        methods["hf-batched-after"] = hf_levels(args, config, "hf-after.json")
     result = {"meta": report.provenance(argv, "cpu", "benchmarks.serve_scaling"),
               "settings": {"pair": f"{app['target']['model']} ({app['target']['dtype']}) <- {app['drafter']['model']}",
                            "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
