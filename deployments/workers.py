@@ -269,7 +269,8 @@ class TargetWorker(_Worker):
 
     def _drain_step_passes(self) -> list[tuple[int, int, float]]:
         with self._step_passes_guard:
-            passes, self._step_passes = list(self._step_passes), deque(maxlen=64)
+            passes = list(self._step_passes)
+            self._step_passes.clear()
         return passes
 
     def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,

@@ -281,8 +281,8 @@ def _greedy(model, prompt_ids: list[int], new_tokens: int, fail_after: int | Non
 
 def test_shared_passes_batch_calls_from_many_threads_and_equal_each_alone():
     """What a served worker does (deployments/workers.py): calls from many threads share passes, joining at the
-    next pass; each gets what it gets alone; a long prompt's chunks run in passes of their own; one failing
-    computation fails alone."""
+    next pass; each gets what it gets alone; a long prompt's chunks join the others' passes, one chunk a pass
+    (packed); one failing computation fails alone."""
     model = language_model("target", target_tokenizer(), seed=0)
     prompts = [[index % 4] * (3 + 7 * index) for index in range(10)]  # 3 to 66 tokens: some above LONG_ABOVE_TOKENS
     alone = [run_alone(model, _greedy(model, prompt, 6)) for prompt in prompts]
