@@ -31,7 +31,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from benchmarks import report
+from benchmarks import cpu_by_process, report
 from benchmarks.prompts import TASKS, load_prompts
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -273,6 +273,15 @@ def markdown(result: dict) -> str:
                      f"{number(row['tpot_ms']['p50'])} | {number(row['tpot_ms']['p99'])} | "
                      f"{number(row['token_latency_ms']['p50'])} | {number(row['token_latency_ms']['p99'])} | "
                      f"{number(row['acceptance_rate'], 2)} | {number(row['tokens_per_target_pass'], 2)} |")
+    measured = [row for row in result["levels"] if row.get("cpu")]
+    if measured:
+        lines += ["", "CPU time by process over each level (share of what the machine's cores give in its wall time; "
+                  "benchmarks/cpu_by_process.py):", ""]
+        for row in measured:
+            cpu = row["cpu"]
+            lines.append(f"- {row['protocol']} x{row['concurrency']}: busy {cpu['busy_share']:.0%} of "
+                         f"{cpu['cores']} cores; " + ", ".join(f"{group} {share['share']:.1%}"
+                                                            for group, share in cpu["groups"].items()))
     paired = [row for row in result["levels"] if row.get("overhead")]
     if paired:
         lines += ["", "Server against the library in this process, concurrency 1, each request through both in turn "
@@ -348,12 +357,14 @@ async def run_protocols(args: argparse.Namespace, options: RequestOptions, promp
                         library.request(*prompts[0])
                 for concurrency in args.concurrency:
                     level: dict = {}
+                    before = cpu_by_process.snapshot()
                     if library is not None and concurrency == 1:
                         timings, library_timings, wall = await run_paired(send, library, prompts, args.requests)
                         level = {"overhead": overhead(timings, library_timings),
                                  "library_timings": [asdict(timing) for timing in library_timings]}
                     else:
                         timings, wall = await run_load(send, prompts, concurrency, args.requests)
+                    level["cpu"] = cpu_by_process.spent(before, cpu_by_process.snapshot(), wall)
                     levels.append({**summarize_load(protocol, concurrency, timings, wall), **level,
                                    "timings": [asdict(timing) for timing in timings]})
                     print(f"{protocol} x{concurrency}: {levels[-1]['tokens_per_second']:.2f} tok/s, "

@@ -312,7 +312,10 @@ class Coordinator:
         args = (prepared.algorithm.name, prepared.speculation, prepared.params)
         opening = [target.call("open", prepared.request_id, prepared.target_prompt_ids, *args)]
         if drafter is not None:
-            opening.append(drafter.call("open", prepared.request_id, prepared.drafter_prompt_ids, *args))
+            # at load, when the policy drafts nothing, the drafter's prefill would take the target's cores for a
+            # prompt that may never be drafted from: it waits for the first draft (deployments/workers.py)
+            prefill_now = not prepared.speculation.load_adaptive or self.load_adaptive.drafting()
+            opening.append(drafter.call("open", prepared.request_id, prepared.drafter_prompt_ids, *args, prefill_now))
         # both settle before any error is raised, so no session is opened behind a failure's back
         target_error, drafter_error = [*await asyncio.gather(*opening, return_exceptions=True), None][:2]
         for error in (target_error, drafter_error):

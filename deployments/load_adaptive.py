@@ -40,6 +40,11 @@ class ReplicaLoadAdaptive:
         self.asked.add(id(progress))
         return self.round_cap
 
+    def drafting(self) -> bool:
+        """False while requests run and this round's cap is 0: a request joining now will likely draft nothing
+        for a while (the coordinator then leaves its drafter prefill to its first draft)."""
+        return not (self.running and self.round_cap == 0)
+
     def on_batch(self, method: str, items: list[tuple], outcomes: list[Any]) -> None:
         """A batched call came back (``StepBatches``): its items and per item the result or exception."""
         done = [(item, outcome) for item, outcome in zip(items, outcomes) if not isinstance(outcome, BaseException)]

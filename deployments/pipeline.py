@@ -298,7 +298,7 @@ class DecodeLoop:
                                                                 (self.request_id, message)))
             # a tree's accepted branch is not known ahead of verification: nothing to assume, no speculation
             speculating = self.pipelined and message.tree is None
-            speculation = self._speculate(committed, message.candidates, remaining) if speculating else None
+            speculation = self._speculate(committed, message.candidates, remaining, cap) if speculating else None
             result: VerifyResult = await verifying
             new_ids = result.new_ids
             event = self._account(message, result, drafter_seconds, alignment_seconds, outcome)
@@ -326,13 +326,16 @@ class DecodeLoop:
             return draft
         return self.algorithm.align(replace(draft, text=draft.text, texts=list(draft.texts)), self.target_ids)
 
-    def _speculate(self, committed: bytes, candidates: list[int], remaining: int) -> _Speculation | None:
-        """Start drafting the next chunk as if all ``candidates`` are accepted (the step's k plus a bonus guess)."""
+    def _speculate(self, committed: bytes, candidates: list[int], remaining: int,
+                   cap: int | None) -> _Speculation | None:
+        """Start drafting the next chunk as if all ``candidates`` are accepted (the step's k plus a bonus guess).
+        ``cap``: the replica's draft length cap this step (None: none); at a cap of 0 nothing is drafted ahead,
+        since the next step would discard the draft and the drafter's pass costs the target's cores."""
         table = self.output.table
         assumed = committed + b"".join(table[token] or b"" for token in candidates)
         policy = copy.copy(self.progress.policy)
         policy.update(len(candidates), len(candidates))
-        next_k = min(policy.k, remaining - len(candidates) - 1 - 1)
+        next_k = min(policy.k, remaining - len(candidates) - 1 - 1, policy.k if cap is None else cap)
         if next_k <= 0 or not ends_at_character(assumed):
             return None
         first_position = self.progress.position + len(candidates)  # the bonus token's position

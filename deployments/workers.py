@@ -12,7 +12,8 @@ library's (a generator of passes), and every computation of every call shares th
 while a pass runs joins the next one (drafts of several requests advance together, one verification pass
 checks every request's draft). A session's prompt is prefilled in chunks when it opens
 (``pipeline.prefill_chunk_tokens``), each chunk in a pass with the others' rows, packed (hetspec/layouts.py),
-so a long prompt delays the others by one chunk's cost at a time.
+so a long prompt delays the others by one chunk's cost at a time. A drafter session may instead be opened
+without its prompt (at load, while the replica drafts nothing); its first draft then prefills it, in chunks too.
 
 Large tensors leave through ``store`` and arrive through ``fetch`` (``ray.put`` / ``ray.get`` in actors):
 ``draft_probs`` [k, target_vocab] travels by object reference from the drafter to the target.
@@ -219,19 +220,28 @@ class DrafterWorker(_Worker):
         return maps
 
     def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
-             params: SamplingParams) -> None:
+             params: SamplingParams, prefill_now: bool = True) -> None:
+        """``prefill_now``: the prompt now (its first draft then needs one pass), or at the first draft (the
+        coordinator's choice while its replica drafts nothing: the prompt may never be drafted from)."""
         if self.maps is None:
             raise RuntimeError("attach_target must run before the drafter opens sessions")
         side, _ = self.model_threads.run(DrafterSide, self.model, prompt_ids, speculation.alignment_window)
         session = _DrafterSession(side, make_algorithm(algorithm, self.maps, speculation, params), params)
         self._open(request_id, session)
-        self._prefill(request_id, lambda session: (session.side.session, session.side.context.ids))
+        if prefill_now:
+            self._prefill(request_id, lambda session: (session.side.session, session.side.context.ids))
 
     def draft_many(self, items: list[tuple[str, bytes, int, int, int]]) -> list[Draft | Exception]:
         """Per item (request_id, committed text, k, first position, draft round): ``algorithm.draft`` after the
         committed text (the drafter re-syncs to it first), or the exception it raised; the drafts share passes."""
         def draft(session: _DrafterSession, committed: bytes, k: int, first_position: int, draft_round: int):
-            return session.algorithm.draft(session.side, committed, k, session.params, first_position, draft_round)
+            # more than a chunk not cached (a prompt opened without prefill, or many tokens committed while the
+            # request drafted nothing) goes in chunks first, as a prompt at open; up to a chunk rides with the draft
+            session.side.sync(committed)
+            yield from prefill(session.side.session, session.side.context.ids, self.prefill_chunk_tokens,
+                               leave=self.prefill_chunk_tokens)
+            return (yield from session.algorithm.draft(session.side, committed, k, session.params, first_position,
+                                                       draft_round))
 
         outcomes, seconds = self._run_for([(item[0], item[1:]) for item in items], draft)
         for outcome in outcomes:

@@ -441,11 +441,11 @@ def _settle(result: Future, value: Any, error: BaseException | None) -> None:
         result.set_result(value)
 
 
-def prefill(session: KVSession, ids: Sequence[int], chunk_tokens: int) -> Steps:
-    """Feed ``ids`` but the last (the first draft or verification feeds it) in chunks of ``chunk_tokens``,
-    one pass each: a joining prompt then delays the others' passes by one chunk at a time."""
-    while session.length < len(ids) - 1:
-        yield Feed(session, list(ids[session.length:len(ids) - 1][:chunk_tokens]), 1)
+def prefill(session: KVSession, ids: Sequence[int], chunk_tokens: int, leave: int = 1) -> Steps:
+    """Feed ``ids`` but the last ``leave`` (the next draft or verification feeds them) in chunks of
+    ``chunk_tokens``, one pass each: a joining prompt then delays the others' passes by one chunk at a time."""
+    while session.length < len(ids) - leave:
+        yield Feed(session, list(ids[session.length:len(ids) - leave][:chunk_tokens]), 1)
 
 
 def run_alone(language_model: "LanguageModel", computation: Steps) -> Any:

@@ -340,3 +340,20 @@ def test_heap_probe_reports_python_and_native_memory_of_a_worker():
     assert first["grown_kib"] == [] and first["rss_anon"].endswith("kB") and first["objects"] > 0
     assert second["traced_mib"] >= 2 and second["grown_kib"][0][0] >= 2048 and len(kept) == 2048
     assert second["jemalloc_profile"] is False  # glibc's allocator here: no heap profile to write
+
+
+def test_cpu_by_process_groups_the_cpu_time_spent_between_snapshots():
+    import os
+
+    from benchmarks import cpu_by_process
+
+    taken = cpu_by_process.snapshot()
+    assert taken[os.getpid()][0] == "benchmark clients"
+    before = {1: ("ray::TargetWorker", 10.0), 2: ("ray::ServeReplica:hetspec:Coordinator", 1.0), 3: ("raylet", 5.0)}
+    after = {1: ("ray::TargetWorker", 16.0), 2: ("ray::ServeReplica:hetspec:Coordinator", 1.5),
+             3: ("raylet", 5.01), 4: ("ray::DrafterWorker", 1.0)}  # 4 started meanwhile: all of its time counts
+    spent = cpu_by_process.spent(before, after, wall_seconds=4.0)
+    cores = spent["cores"]
+    assert spent["cpu_seconds"] == 7.51 and abs(spent["busy_share"] - 7.51 / (4.0 * cores)) < 1e-3
+    assert list(spent["groups"]) == ["ray::TargetWorker", "ray::DrafterWorker", "ray::ServeReplica:hetspec:Coordinator"]
+    assert spent["groups"]["ray::TargetWorker"] == {"cpu_seconds": 6.0, "share": round(6.0 / (4.0 * cores), 4)}

@@ -43,7 +43,9 @@ def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_dr
         adaptive.on_batch("draft_many", items, [Draft(candidates=[1] * 5, drafter_forwards=5, seconds=seconds)] * rows)
     assert adaptive.policy.target_passes == [(8, 0.2), (8, 0.2), (48, 5.4), (48, 5.4)]
     assert adaptive.policy.target_cost[1] > 0.1 and adaptive.policy.drafter_cost is not None
+    assert adaptive.drafting(), "no round chosen yet"
     assert [adaptive.cap(request) for request in requests] == [0] * 8
+    assert not adaptive.drafting(), "a request joining now leaves its drafter prefill to its first draft"
     assert len(adaptive.policy.chosen) == 1, "one choice for the round of eight requests, as one step in process"
     adaptive.cap(requests[0])  # asks again: a new round
     assert len(adaptive.policy.chosen) == 2
@@ -53,21 +55,31 @@ def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_dr
         adaptive.leave(request)
     assert adaptive.cap(requests[0]) == 0 and len(adaptive.policy.chosen) == 3  # alone: every step is a round
     adaptive.leave(requests[0])
+    assert adaptive.drafting(), "nobody running: a joining request is alone and will draft"
     assert adaptive.cap(requests[0]) is None  # nobody running
 
 
-def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm):
+def _served(gemma, smollm, **pipeline):
+    """(coordinator, target worker, drafter worker) in this process, load-adaptive SLEM."""
     from deployments.config import AppConfig
-    from deployments.coordinator import Coordinator, GenerationRequest
+    from deployments.coordinator import Coordinator
     from deployments.pipeline import LocalWorker
     from deployments.workers import DrafterWorker, TargetWorker
 
-    config = AppConfig.model_validate(small_app_args(speculation={"algorithm": "slem", "load_adaptive": True}))
+    config = AppConfig.model_validate(small_app_args(speculation={"algorithm": "slem", "load_adaptive": True},
+                                                     pipeline=pipeline))
     target_worker = TargetWorker(gemma, config.pipeline)
     drafter_worker = DrafterWorker(smollm, config.pipeline)
     drafter_worker.attach_target(target_worker.info())
     coordinator = Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
                               drafter_worker.info())
+    return coordinator, target_worker, drafter_worker
+
+
+def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm):
+    from deployments.coordinator import GenerationRequest
+
+    coordinator, target_worker, drafter_worker = _served(gemma, smollm)
     requests = [GenerationRequest(prompt=prompt, algorithm=algorithm, pipelined=False,
                                   params=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
                 for prompt, algorithm in zip(PROMPTS, ["slem", "tli", "slem", "slrs"])]
@@ -113,3 +125,66 @@ def test_the_target_worker_hands_back_its_step_passes_not_a_prompt_chunks(gemma)
         assert [(rows, tokens) for rows, tokens, _ in second.passes] == [(1, 1)]  # drained by the first call
     finally:
         worker.close("a")
+
+
+def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, smollm):
+    """While the replica drafts nothing (cap 0), a joining request's drafter session opens without its prompt and a
+    pipelined request drafts nothing ahead (the next step would drop it); when the cap lifts, the first draft
+    prefills the prompt in chunks. The output stays the target's."""
+    from deployments.coordinator import GenerationRequest
+
+    coordinator, target_worker, drafter_worker = _served(gemma, smollm, pipelined=True, prefill_chunk_tokens=16)
+    adaptive, caps = coordinator.load_adaptive, []
+    adaptive.drafting = lambda: False  # as when others run at a cap of 0
+    adaptive.cap = lambda progress: caps.pop(0) if caps else 0
+    prompt = "def moving_average(values, window):\n    " * 5
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    alone = Engine(gemma, smollm).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
+
+    async def run():
+        events = [event async for event in coordinator.run(coordinator.prepare(
+            GenerationRequest(prompt=prompt, algorithm="slem", params=params)), "test")]
+        await coordinator.admission.closes_done()
+        return [token for event in events for token in event.token_ids], events[-1].stats
+
+    token_ids, stats = asyncio.run(run())
+    assert token_ids == alone
+    assert stats.drafter_forwards == stats.pipeline_hits == stats.pipeline_misses == 0
+    assert drafter_worker.passes.passes == 0, "neither a prefill nor a draft ran in the drafter"
+
+    caps[:] = [0, 0, 3]  # drafting from the third step on: its first draft prefills the prompt first
+    drafter_prompt = len(smollm.encode_prompt(prompt))
+    assert drafter_prompt > 2 * 16
+    token_ids, stats = asyncio.run(run())
+    assert token_ids == alone
+    assert stats.drafted_tokens > 0
+    # chunks of 16 until at most 16 tokens are left (they ride with the draft's first pass), then the drafts'
+    assert drafter_worker.passes.passes >= -(-(drafter_prompt - 16) // 16) + stats.drafter_forwards
+    assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0
+
+
+def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one_does(gemma, smollm):
+    from deployments.config import AppConfig
+    from deployments.workers import DrafterWorker
+
+    config = AppConfig.model_validate(small_app_args(pipeline={"prefill_chunk_tokens": 16}))
+    worker = DrafterWorker(smollm, config.pipeline)
+    worker.attach_target(_target_info(gemma))
+    prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 2)
+    speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
+    worker.open("eager", prompt_ids, "slem", speculation, params)
+    opened = worker.passes.passes
+    assert opened == -(-(len(prompt_ids) - 1) // 16)  # the prompt but its last token, 16 at a time
+    worker.open("lazy", prompt_ids, "slem", speculation, params, False)
+    assert worker.passes.passes == opened
+    try:
+        eager, lazy = worker.draft_many([("eager", b"", 4, 0, 0), ("lazy", b"", 4, 0, 0)])
+        assert (lazy.candidates, lazy.text) == (eager.candidates, eager.text) and eager.text
+    finally:
+        worker.close("eager"), worker.close("lazy")
+
+
+def _target_info(model):
+    from deployments.workers import ModelInfo
+
+    return ModelInfo(model.name, model.tokenizer, model.vocab_size, model.eos_token_ids)
