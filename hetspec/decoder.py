@@ -1,9 +1,9 @@
 """The decode loop, once: a step over a batch of requests (continuous batching), every algorithm.
 
-A step: joining requests are prefilled (in chunks while others decode); every running request that drafts
-gets its draft length; the drafter drafts for all of them in lockstep, one batched pass per draft position
-(``hetspec.kv.run_lockstep``); each draft is aligned to target ids (string level, per request); one
-batched target pass verifies every request's candidates (ragged lengths, chains and trees); each request
+A step: every running request that drafts gets its draft length; the drafter drafts for all of them in
+lockstep, one batched pass per draft position (``hetspec.kv.run_lockstep``); each draft is aligned to target
+ids (string level, per request); one batched target pass verifies every request's candidates (ragged lengths,
+chains and trees), a joining request's prompt chunk riding along (packed: it widens no other row); each request
 commits its accepted tokens and releases text through its ``OutputText``. Requests join and leave at any
 step boundary. ``Engine`` runs it in process (one request is a batch of one); the server's workers run
 ``Request``'s steps too (deployments/).
@@ -25,7 +25,7 @@ from hetspec.adaptive import LoadAdaptive
 from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.align import ends_at_character
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
-from hetspec.kv import Feed, Steps, forward, run_lockstep
+from hetspec.kv import Feed, Steps, run_lockstep
 from hetspec.lookup import ContextLookup, prompt_text
 from hetspec.models import LanguageModel
 from hetspec.output import DraftLength, OutputText, Stats, StreamEvent, TokenLogprob, token_logprobs
@@ -263,9 +263,11 @@ class BatchDecoder:
 
     def step(self) -> list[tuple[Request, StreamEvent]]:
         """One step for every request; returns the events of the requests that released something or finished."""
-        self._prefill()
+        if not self.running:  # nobody decoding: the joining requests start at once (their first pass feeds the prompt)
+            self.running, self.joining = self.joining, []
         if not self.running:
             return []
+        target_chunks, drafter_chunks = self._prompt_chunks()
         running = list(self.running)
         cap = self.adaptive.choose({request: request.draft_length(request.drafter is not None) for request in running}) \
             if self.adaptive else None
@@ -276,15 +278,18 @@ class BatchDecoder:
         drafting = [index for index, k in enumerate(lengths) if k > 0]
         drafts = [lookup or Draft() for lookup in lookups]
         tick = time.perf_counter()
-        if drafting:
-            made = run_lockstep(self.drafter, [running[index].draft(lengths[index]) for index in drafting])
+        if drafting or drafter_chunks:
+            made = run_lockstep(self.drafter, [running[index].draft(lengths[index]) for index in drafting]
+                                + drafter_chunks)
             for index, draft in zip(drafting, made):
                 drafts[index] = draft
         drafter_seconds = time.perf_counter() - tick
         tick = time.perf_counter()
-        committed = run_lockstep(self.target, [request.verify(draft) for request, draft in zip(running, drafts)])
+        # the joining prompts' chunks ride the verification pass, packed (hetspec/layouts.py): they widen no row
+        committed = run_lockstep(self.target, [request.verify(draft) for request, draft in zip(running, drafts)]
+                                 + target_chunks)[:len(running)]
         target_seconds = time.perf_counter() - tick
-        if self.adaptive:
+        if self.adaptive and not (target_chunks or drafter_chunks):  # a chunk's pass prices the chunk, not k
             self.adaptive.record(drafts, lengths, drafter_seconds, target_seconds)
         events = []
         for index, (request, draft, new_ids) in enumerate(zip(running, drafts, committed)):
@@ -300,28 +305,26 @@ class BatchDecoder:
                 request.release()
         return events
 
-    def _prefill(self) -> None:
-        """Prompt passes for the joining requests, in chunks, while others decode. With nobody decoding, they run
-        at once: their first draft and verification feed the whole prompt (no pass of its own, as at batch 1)."""
-        if not self.joining:
-            return
-        if not self.running:
-            self.running, self.joining = self.joining, []
-            return
+    def _prompt_chunks(self) -> tuple[list[Steps], list[Steps]]:
+        """(target, drafter) computations feeding the joining requests' next prompt chunks, within
+        ``prefill_chunk_tokens`` together, so a long prompt does not stall the others' decoding; the requests
+        whose prompts are then in their caches decode from the next step on."""
         budget = self.batching.prefill_chunk_tokens
-        target_feeds, drafter_feeds = [], []
-        for request in list(self.joining):
-            if budget <= 0:
-                break
-            targets, drafters, used = request.prefill_feeds(budget)
-            target_feeds += targets
-            drafter_feeds += drafters
-            budget -= used
-        if target_feeds:
-            forward(self.target, target_feeds)
-        if drafter_feeds:
-            forward(self.drafter, drafter_feeds)
+        target_chunks, drafter_chunks = [], []
         for request in list(self.joining):
             if request.prefilled:
                 self.joining.remove(request)
                 self.running.append(request)
+                continue
+            if budget <= 0:
+                continue
+            targets, drafters, used = request.prefill_feeds(budget)
+            target_chunks += [_fed(feed) for feed in targets]
+            drafter_chunks += [_fed(feed) for feed in drafters]
+            budget -= used
+        return target_chunks, drafter_chunks
+
+
+def _fed(feed: Feed) -> Steps:
+    """A computation of one pass: the feed (a prompt's chunk, its logits unused)."""
+    yield feed

@@ -337,6 +337,44 @@ def test_long_prompts_are_prefilled_first_come_first_served_between_the_others_p
     assert fed[:2] == ["d", "a"] and fed.count("d") == 5 and fed.index("b") > fed.index("d", 2)
 
 
+def test_a_joining_prompt_rides_the_others_verification_passes_in_chunks():
+    """In process too, a joining request's prompt chunks join the running request's passes (one target pass a
+    step, not a chunk pass besides), the drafter's likewise, and both requests get what they get alone."""
+    target = language_model("target", target_tokenizer(), seed=0)
+    drafter = language_model("drafter", drafter_tokenizer(), seed=1)
+    engine = Engine(target, drafter, batching=BatchingConfig(max_batch_size=2, prefill_chunk_tokens=8))
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True), SamplingParams(max_new_tokens=8, ignore_eos=True)]
+    prompts, speculation = ["ab c", "abc ab cab ca bc a b c abc cba"], SpeculationConfig(algorithm="slem")
+    assert len(target.encode_prompt(prompts[1])) > 2 * 8 and len(drafter.encode_prompt(prompts[1])) > 2 * 8
+    alone = [engine.generate(prompt, own, speculation=speculation).token_ids for prompt, own in zip(prompts, params)]
+    target_passes = []
+    forward = target.model.forward
+    target.model.forward = lambda *args, **kwargs: target_passes.append(1) or forward(*args, **kwargs)
+    try:
+        decoder = BatchDecoder(target, drafter, engine.batching)
+        requests = [engine.request(prompt, params[index], speculation=speculation, request_id=str(index))
+                    for index, prompt in enumerate(prompts)]
+        generated: dict[str, list[int]] = {"0": [], "1": []}
+        passes_while_joining = []
+        decoder.add(requests[0])
+        waiting = [requests[1]]  # joins once the first decodes
+        while len(decoder):
+            if generated["0"] and waiting:
+                decoder.add(waiting.pop())
+            joining = bool(decoder.joining)
+            before = len(target_passes)
+            for request, event in decoder.step():
+                generated[request.request_id] += event.token_ids
+            if joining:
+                passes_while_joining.append(len(target_passes) - before)
+    finally:
+        del target.model.forward
+    assert [generated["0"], generated["1"]] == alone
+    assert len(passes_while_joining) >= 3, "the prompt went in chunks of 8 while the first request decoded"
+    assert set(passes_while_joining) == {1}, "each chunk rode the running request's verification pass"
+    assert target.kv_pool.taken == set() and drafter.kv_pool.taken == set()
+
+
 def test_unseeded_sampling_draws_a_fresh_seed_that_reproduces_the_sample():
     """No seed: every request draws its own (reported in its statistics); that seed gives the same sample again."""
     engine = Engine(language_model("target", target_tokenizer(), seed=0))
