@@ -125,10 +125,13 @@ def test_requests_at_the_other_model_count_as_one_more_call():
     assert lanes.run(_where)[0] == ("shared_0", 2)
 
 
-@pytest.mark.parametrize("placement, counted", [("PACK", 1), ("STRICT_SPREAD", 0)])
-def test_a_worker_counts_requests_at_the_other_model_only_where_the_models_can_share_a_node(
-        gemma, placement, counted):
-    pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"placement_strategy": placement}}).pipeline
+@pytest.mark.parametrize("placement, pipelined, counted", [("PACK", True, 1), ("STRICT_SPREAD", True, 0),
+                                                          ("PACK", False, 0)])
+def test_a_worker_counts_requests_at_the_other_model_only_where_both_models_run_at_once_on_shared_cores(
+        gemma, placement, pipelined, counted):
+    """Not pipelined, requests go in step (draft together, then verify together): the models take turns."""
+    pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"placement_strategy": placement,
+                                                                    "pipelined": pipelined}}).pipeline
     worker = TargetWorker(gemma, pipeline)
     for request_id in ("r", "s"):
         worker.open(request_id, gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(), SamplingParams())
