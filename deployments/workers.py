@@ -13,7 +13,8 @@ while a pass runs joins the next one (drafts of several requests advance togethe
 checks every request's draft). A session's prompt is prefilled in chunks when it opens
 (``pipeline.prefill_chunk_tokens``), each chunk in a pass with the others' rows, packed (hetspec/layouts.py),
 so a long prompt delays the others by one chunk's cost at a time. A drafter session may instead be opened
-without its prompt (at load, while the replica drafts nothing); its first draft then prefills it, in chunks too.
+without its prompt (requests in step, or while the replica drafts nothing); its first draft then prefills it, in
+chunks too.
 
 Large tensors leave through ``store`` and arrive through ``fetch`` (``ray.put`` / ``ray.get`` in actors):
 ``draft_probs`` [k, target_vocab] travels by object reference from the drafter to the target.
@@ -227,7 +228,7 @@ class DrafterWorker(_Worker):
     def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
              params: SamplingParams, prefill_now: bool = True) -> None:
         """``prefill_now``: the prompt now (its first draft then needs one pass), or at the first draft (the
-        coordinator's choice while its replica drafts nothing: the prompt may never be drafted from)."""
+        coordinator's choice, deployments/coordinator.py ``_open``)."""
         if self.maps is None:
             raise RuntimeError("attach_target must run before the drafter opens sessions")
         side, _ = self.model_threads.run(DrafterSide, self.model, prompt_ids, speculation.alignment_window)

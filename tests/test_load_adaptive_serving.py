@@ -129,8 +129,9 @@ def test_the_target_worker_hands_back_its_step_passes_not_a_prompt_chunks(gemma)
 
 def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, smollm):
     """While the replica drafts nothing (cap 0), a joining request's drafter session opens without its prompt and a
-    pipelined request drafts nothing ahead (the next step would drop it); when the cap lifts, the first draft
-    prefills the prompt in chunks. The output stays the target's."""
+    pipelined request drafts nothing ahead (the next step would drop it); a request in step (not pipelined) always
+    leaves the drafter's prefill to its first draft; the first draft prefills the prompt in chunks. The output
+    stays the target's."""
     from deployments.coordinator import GenerationRequest
 
     coordinator, target_worker, drafter_worker = _served(gemma, smollm, pipelined=True, prefill_chunk_tokens=16)
@@ -141,9 +142,9 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, s
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     alone = Engine(gemma, smollm).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
 
-    async def run():
+    async def run(pipelined: bool = True):
         events = [event async for event in coordinator.run(coordinator.prepare(
-            GenerationRequest(prompt=prompt, algorithm="slem", params=params)), "test")]
+            GenerationRequest(prompt=prompt, algorithm="slem", params=params, pipelined=pipelined)), "test")]
         await coordinator.admission.closes_done()
         return [token for event in events for token in event.token_ids], events[-1].stats
 
@@ -151,15 +152,19 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, s
     assert token_ids == alone
     assert stats.drafter_forwards == stats.pipeline_hits == stats.pipeline_misses == 0
     assert drafter_worker.passes.passes == 0, "neither a prefill nor a draft ran in the drafter"
+    del adaptive.drafting  # the replica's own: nobody else running, it would draft
+    assert adaptive.drafting()
+    token_ids, _ = asyncio.run(run(pipelined=False))
+    assert token_ids == alone and drafter_worker.passes.passes == 0, "in step, the prefill waits for a draft"
 
     caps[:] = [0, 0, 3]  # drafting from the third step on: its first draft prefills the prompt first
     drafter_prompt = len(smollm.encode_prompt(prompt))
     assert drafter_prompt > 2 * 16
-    token_ids, stats = asyncio.run(run())
+    token_ids, stats = asyncio.run(run(pipelined=False))
     assert token_ids == alone
     assert stats.drafted_tokens > 0
     # chunks of 16 until at most 16 tokens are left (they ride with the draft's first pass), then the drafts'
-    assert drafter_worker.passes.passes >= -(-(drafter_prompt - 16) // 16) + stats.drafter_forwards
+    assert drafter_worker.passes.passes == -(-(drafter_prompt - 16) // 16) + stats.drafter_forwards
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0
 
 
