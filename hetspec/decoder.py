@@ -17,6 +17,7 @@ says how the tests tell such a numerical tie from an error.
 from __future__ import annotations
 
 import time
+from itertools import islice
 from typing import Sequence
 
 import torch
@@ -25,7 +26,7 @@ from hetspec.adaptive import LoadAdaptive
 from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.align import ends_at_character
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
-from hetspec.kv import Feed, Steps, run_lockstep
+from hetspec.kv import Feed, Steps, prefill, run_lockstep
 from hetspec.lookup import ContextLookup, prompt_text
 from hetspec.models import LanguageModel
 from hetspec.output import DraftLength, OutputText, Stats, StreamEvent, TokenLogprob, token_logprobs
@@ -216,8 +217,7 @@ class Request(Progress):
                 feeds.append([])
                 continue
             ids = side.ids if side is self.target else side.context.ids
-            todo = ids[side.session.length:len(ids) - 1][:budget]
-            feeds.append([Feed(side.session, todo, 1)] if todo else [])
+            feeds.append(list(islice(prefill(side.session, ids, budget), 1)))  # its next chunk, if any
         used = max((len(feed.token_ids) for group in feeds for feed in group), default=0)
         return feeds[0], feeds[1], used
 
