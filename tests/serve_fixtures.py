@@ -33,6 +33,22 @@ def small_app_args(**overrides) -> dict:
     return args
 
 
+def in_process_coordinator(target, drafter, **overrides):
+    """(coordinator, target worker, drafter worker): the served decode loop on worker objects in this process, for
+    the config.small.yaml args with ``overrides`` (as ``small_app_args``) and the given models."""
+    from deployments.config import AppConfig
+    from deployments.coordinator import Coordinator
+    from deployments.pipeline import LocalWorker
+    from deployments.workers import DrafterWorker, TargetWorker
+
+    config = AppConfig.model_validate(small_app_args(**overrides))
+    target_worker, drafter_worker = TargetWorker(target, config.pipeline), DrafterWorker(drafter, config.pipeline)
+    drafter_worker.attach_target(target_worker.info())
+    coordinator = Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
+                              drafter_worker.info())
+    return coordinator, target_worker, drafter_worker
+
+
 def grpc_servicer_functions() -> list[str]:
     return yaml.safe_load(SMALL_CONFIG.read_text())["grpc_options"]["grpc_servicer_functions"]
 

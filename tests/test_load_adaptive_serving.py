@@ -10,7 +10,7 @@ from hetspec.algorithms import Draft
 
 from deployments.load_adaptive import ReplicaLoadAdaptive
 from deployments.workers import VerifyResult
-from serve_fixtures import small_app_args
+from serve_fixtures import in_process_coordinator, small_app_args
 
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUNT(*) FROM users WHERE",
            "Once upon a time"]
@@ -61,19 +61,8 @@ def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_dr
 
 def _served(gemma, smollm, **pipeline):
     """(coordinator, target worker, drafter worker) in this process, load-adaptive SLEM."""
-    from deployments.config import AppConfig
-    from deployments.coordinator import Coordinator
-    from deployments.pipeline import LocalWorker
-    from deployments.workers import DrafterWorker, TargetWorker
-
-    config = AppConfig.model_validate(small_app_args(speculation={"algorithm": "slem", "load_adaptive": True},
-                                                     pipeline=pipeline))
-    target_worker = TargetWorker(gemma, config.pipeline)
-    drafter_worker = DrafterWorker(smollm, config.pipeline)
-    drafter_worker.attach_target(target_worker.info())
-    coordinator = Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
-                              drafter_worker.info())
-    return coordinator, target_worker, drafter_worker
+    return in_process_coordinator(gemma, smollm, speculation={"algorithm": "slem", "load_adaptive": True},
+                                  pipeline=pipeline)
 
 
 def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm):
@@ -169,12 +158,7 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, s
 
 
 def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one_does(gemma, smollm):
-    from deployments.config import AppConfig
-    from deployments.workers import DrafterWorker
-
-    config = AppConfig.model_validate(small_app_args(pipeline={"prefill_chunk_tokens": 16}))
-    worker = DrafterWorker(smollm, config.pipeline)
-    worker.attach_target(_target_info(gemma))
+    _, _, worker = in_process_coordinator(gemma, smollm, pipeline={"prefill_chunk_tokens": 16})
     prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 2)
     speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
     worker.open("eager", prompt_ids, "slem", speculation, params)
@@ -187,9 +171,3 @@ def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one
         assert (lazy.candidates, lazy.text) == (eager.candidates, eager.text) and eager.text
     finally:
         worker.close("eager"), worker.close("lazy")
-
-
-def _target_info(model):
-    from deployments.workers import ModelInfo
-
-    return ModelInfo(model.name, model.tokenizer, model.vocab_size, model.eos_token_ids)

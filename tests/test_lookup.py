@@ -350,22 +350,13 @@ def test_served_decode_loop_with_lookup_equals_the_library(gemma, smollm, algori
     are the library's (seed for seed: the same drafts, the same numbers)."""
     import asyncio
 
-    from deployments.config import AppConfig
-    from deployments.coordinator import Coordinator, GenerationRequest
-    from deployments.pipeline import LocalWorker
-    from deployments.workers import DrafterWorker, TargetWorker
-    from serve_fixtures import small_app_args
+    from deployments.coordinator import GenerationRequest
+    from serve_fixtures import in_process_coordinator
 
-    args = small_app_args()
-    args["speculation"] = {**args.get("speculation", {}), "algorithm": algorithm, **REAL_LOOKUP}
-    config = AppConfig.model_validate(args)
-    target_worker, drafter_worker = TargetWorker(gemma, config.pipeline), DrafterWorker(smollm, config.pipeline)
-    drafter_worker.attach_target(target_worker.info())
-    coordinator = Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
-                              drafter_worker.info())
+    coordinator = in_process_coordinator(gemma, smollm, speculation={"algorithm": algorithm, **REAL_LOOKUP})[0]
     prompt = REPEATING_PROMPTS[0]
     params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5, ignore_eos=True)
-    library = Engine(gemma, smollm).generate(prompt, params, speculation=config.speculation)
+    library = Engine(gemma, smollm).generate(prompt, params, speculation=coordinator.config.speculation)
     request = GenerationRequest(prompt=prompt, params=params, pipelined=False)
 
     async def run():

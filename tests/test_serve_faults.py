@@ -23,7 +23,7 @@ import pytest
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
-from serve_fixtures import served_app, small_app_args  # noqa: F401 -- the module's fixture
+from serve_fixtures import in_process_coordinator, served_app, small_app_args  # noqa: F401 -- the module's fixture
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
@@ -90,17 +90,7 @@ class DrafterDyingAfter:
 @pytest.fixture(scope="module")
 def local_coordinator(gemma, smollm):
     """A coordinator on worker objects in this process (built once: the vocabulary maps take seconds)."""
-    from deployments.config import AppConfig
-    from deployments.coordinator import Coordinator
-    from deployments.pipeline import LocalWorker
-    from deployments.workers import DrafterWorker, TargetWorker
-
-    config = AppConfig.model_validate(small_app_args())
-    target_worker = TargetWorker(gemma, config.pipeline)
-    drafter_worker = DrafterWorker(smollm, config.pipeline)
-    drafter_worker.attach_target(target_worker.info())
-    return Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
-                       drafter_worker.info())
+    return in_process_coordinator(gemma, smollm)[0]
 
 
 @pytest.mark.parametrize("drafts, pipelined", [(-1, False), (1, False), (2, True)])

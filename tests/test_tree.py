@@ -118,20 +118,12 @@ def test_served_decode_loop_with_a_draft_tree_equals_the_target_alone(gemma, smo
     tree drafts travel drafter -> alignment -> target and the output is the target's alone."""
     import asyncio
 
-    from deployments.config import AppConfig
-    from deployments.coordinator import Coordinator, GenerationRequest
-    from deployments.pipeline import LocalWorker
-    from deployments.workers import DrafterWorker, TargetWorker
+    from deployments.coordinator import GenerationRequest
     from hetspec import Engine
-    from serve_fixtures import small_app_args
+    from serve_fixtures import in_process_coordinator
 
-    args = small_app_args()
-    args["speculation"] = {**args.get("speculation", {}), "algorithm": "slem", "draft_tokens": 4, "tree_width": 3}
-    config = AppConfig.model_validate(args)
-    target_worker, drafter_worker = TargetWorker(gemma, config.pipeline), DrafterWorker(smollm, config.pipeline)
-    drafter_worker.attach_target(target_worker.info())
-    coordinator = Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
-                              drafter_worker.info())
+    coordinator, target_worker, drafter_worker = in_process_coordinator(
+        gemma, smollm, speculation={"algorithm": "slem", "draft_tokens": 4, "tree_width": 3})
     prompt, params = "def fibonacci(n):\n", SamplingParams(max_new_tokens=24, ignore_eos=True)
     reference = Engine(gemma).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
     request = GenerationRequest(prompt=prompt, params=params, pipelined=pipelined)
