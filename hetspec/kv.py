@@ -115,7 +115,10 @@ class KVPool:
             self.taken.discard(row)
             empty = not self.taken
         if empty:
-            with self.guard.exclusive():
+            # the check and the free under the rows lock too: a row taken between them (a request opening as the
+            # last one closes) found the buffers still there (``reserve`` returned at once), then lost them, and
+            # its pass failed with an IndexError
+            with self.guard.exclusive(), self._rows_lock:
                 if not self.taken:  # nobody took a row meanwhile: free the memory
                     self.keys, self.values, self.rows, self.capacity = [], [], 0, 0
 

@@ -279,6 +279,49 @@ def _greedy(model, prompt_ids: list[int], new_tokens: int, fail_after: int | Non
         session.release()
 
 
+class _CheckedRows(set):
+    """A pool's taken rows that call ``on_check`` at each check of how many there are (after counting them)."""
+
+    def __init__(self, rows, on_check):
+        super().__init__(rows)
+        self.on_check = on_check
+
+    def __len__(self) -> int:
+        count = super().__len__()
+        self.on_check()
+        return count
+
+
+def test_a_request_opening_as_the_last_one_closes_keeps_its_rows_buffers():
+    """The pool frees its buffers when its last row is given back; a request that takes a row right after that
+    check (here: while the free holds the pool) must find buffers for its pass, not an IndexError."""
+    model = language_model("target", target_tokenizer(), seed=0)
+    pool = model.kv_pool
+    closing, opening = model.new_session(), model.new_session()
+    closing.extend([1, 2, 3])
+    errors: list[BaseException] = []
+    opener: list[threading.Thread] = []
+
+    def extend_opening() -> None:
+        try:
+            opening.extend([4, 5])
+        except BaseException as error:  # noqa: BLE001 - the assertion below reports it
+            errors.append(error)
+
+    def another_request_opens() -> None:
+        if pool.guard._exclusive and not opener:  # the free's check: the closing request holds the pool
+            opener.append(threading.Thread(target=extend_opening))
+            opener[0].start()
+            opener[0].join(timeout=0.5)  # it runs to its pass, or waits for the free to finish
+
+    pool.taken = _CheckedRows(pool.taken, another_request_opens)
+    closing.release()
+    opener[0].join(timeout=30)
+    assert not errors and opening.length == 2 and pool.rows > opening.row
+    opening.release()
+    assert pool.taken == set() and pool.reserved_bytes == 0
+
+
 def test_shared_passes_batch_calls_from_many_threads_and_equal_each_alone():
     """What a served worker does (deployments/workers.py): calls from many threads share passes, joining at the
     next pass; each gets what it gets alone; a long prompt's chunks join the others' passes, one chunk a pass
