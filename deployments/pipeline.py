@@ -363,7 +363,7 @@ class DecodeLoop:
         self.stats.target_seconds += result.seconds
         self.stats.pipeline_hits += outcome == "hit"
         self.stats.pipeline_misses += outcome == "miss"
-        self.stats.batch_rows += 1
+        self.stats.batch_rows += result.rows
         self.stats.chosen_draft_tokens += drafted
         event = self.progress.commit(drafted, result.new_ids, result.logprobs, message.source)
         self.on_step(Step(drafted, accepted, drafter_seconds, result.seconds, alignment_seconds,

@@ -78,6 +78,7 @@ class VerifyResult:
     # the target's step passes since the previous verify_many returned: (rows, tokens fed, seconds) each, for the
     # load-adaptive price fit (deployments/load_adaptive.py); on the first result of a call, empty on the others
     passes: list[tuple[int, int, float]] = field(default_factory=list)
+    rows: int = 1  # requests fed by the pass that verified it (its batch)
 
 
 # a request between steps (its other model's pass, the coordinator's turn) still counts as served here
@@ -302,7 +303,7 @@ class TargetWorker(_Worker):
         def verify(session: _TargetSession, draft: Draft):
             draft = replace(draft, draft_probs=self._draft_probs(draft, session), first_row=0)
             new_ids = yield from session.side.verify(session.algorithm, draft, session.params)
-            return VerifyResult(new_ids, logprobs=session.side.step_logprobs)
+            return VerifyResult(new_ids, logprobs=session.side.step_logprobs, rows=self.passes.last_rows)
 
         outcomes, seconds = self._run_for([(request_id, (draft,)) for request_id, draft in items], verify)
         passes = self._drain_step_passes()

@@ -92,6 +92,9 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm
     assert policy.target_passes and policy.chosen, "the policy was asked and measured the passes"
     assert {k for _, k in policy.chosen} >= {0}, "it probed k = 0 (plain batched decoding)"
     assert any(stats.drafted_tokens for _, stats in served)
+    # each request's statistics count the requests its verification passes fed, as the library's do (1 before)
+    assert all(1 <= stats.mean_batch_size <= len(PROMPTS) for _, stats in served)
+    assert max(stats.mean_batch_size for _, stats in served) > 2
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not coordinator.load_adaptive.running
 
 
