@@ -116,6 +116,14 @@ class StepBatches:
     no member is in flight and none is free, i.e. nobody else is about to call; a member free for longer
     than ``max_wait_s`` (a slow client) is not waited for. One request alone is never held back.
 
+    ``one_model_at_a_time``: where drafter and target share a node's cores and run in step (not pipelined), the
+    workers give each call every thread (deployments/workers.py), so a draft call beside a verify call
+    oversubscribes the cores. Without it, two requests that reached different phases (one drafting while the
+    other's target prefill ran) sent their draft and verify calls together at every step and stayed out of
+    phase: a batch of ~1 per pass, and drafter passes of 0.26-0.43 s against 0.035 s in step, at 2-4 clients
+    (benchmarks/results/serve-scaling-drafter-price-f32/NOTES.md). With it, the pending calls of one worker
+    leave and the others wait; the members they free call again and join them, so the phases merge.
+
     Why not Ray Serve's ``@serve.batch``: it waits a fixed time for a fixed count, while here the count is
     known exactly (who is drafting, who is verifying), and it needs a replica context (tests run this in
     process).
@@ -124,8 +132,10 @@ class StepBatches:
     FREE, PENDING, IN_FLIGHT = "free", "pending", "in flight"
 
     def __init__(self, max_wait_s: float,
-                 on_batch: Callable[[str, list, list], None] = lambda method, items, outcomes: None) -> None:
+                 on_batch: Callable[[str, list, list], None] = lambda method, items, outcomes: None,
+                 one_model_at_a_time: bool = False) -> None:
         self.max_wait_s = max_wait_s
+        self.one_model_at_a_time = one_model_at_a_time
         self.on_batch = on_batch  # (method, items, outcomes) of every batched call that came back
         self.states: dict[int, str] = {}  # by member id
         self._pending: dict[tuple[int, str], list] = {}  # (worker, method) -> [(member, item, future)]
@@ -173,12 +183,15 @@ class StepBatches:
             return  # a call in flight returns soon and its members call again: wait for them
         now = time.monotonic()
         waiting_for_free = self.FREE in states
-        for key in list(self._pending):
+        # the most waiting first: with one model at a time, the fewer follow once the first call is back
+        for key in sorted(self._pending, key=lambda key: -len(self._pending[key])):
             if not self._pending[key]:
                 del self._pending[key]
                 self._first_pending.pop(key, None)
             elif not waiting_for_free or now - self._first_pending[key] >= self.max_wait_s:
                 self._send(key)
+                if self.one_model_at_a_time:
+                    break
         if self._pending and self._timer is None:  # look again when the oldest has waited max_wait_s
             oldest = min(self._first_pending.values())
             self._timer = asyncio.get_running_loop().call_later(

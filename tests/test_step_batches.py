@@ -99,3 +99,25 @@ def test_a_cancelled_caller_leaves_the_batch_and_errors_reach_every_caller():
             await asyncio.wait_for(batches.call(b, Lost(), "verify_many", "b"), 1)
 
     asyncio.run(scenario())
+
+
+def test_with_one_model_at_a_time_the_others_wait_for_the_call_in_flight_and_the_phases_merge():
+    """Drafter and target on the same cores, in step: a request drafting while another verifies would run both
+    models at once on every thread; one waits, and the request the first call frees joins it."""
+    async def scenario():
+        batches, target, drafter = StepBatches(max_wait_s=60, one_model_at_a_time=True), Recorder(), Recorder()
+        a, b = object(), object()
+        batches.join(a)
+        batches.join(b)
+        target.gate = asyncio.Event()
+        verify_a = asyncio.ensure_future(batches.call(a, target, "verify_many", "a"))
+        draft_b = asyncio.ensure_future(batches.call(b, drafter, "draft_many", "b"))  # out of phase with a
+        await asyncio.sleep(0.05)
+        assert target.calls == [("verify_many", ["a"])] and drafter.calls == []
+        target.gate.set()
+        assert await verify_a == "a"
+        draft_a = asyncio.ensure_future(batches.call(a, drafter, "draft_many", "a2"))  # a's next step
+        assert await asyncio.wait_for(asyncio.gather(draft_b, draft_a), 1) == ["b", "a2"]
+        assert drafter.calls == [("draft_many", ["b", "a2"])], "one draft call for both: back in phase"
+
+    asyncio.run(scenario())
