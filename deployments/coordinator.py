@@ -140,8 +140,7 @@ class Coordinator:
         self.load_adaptive = ReplicaLoadAdaptive()
         # the requests' steps, batched per worker; their costs measured for load_adaptive
         self.batches = StepBatches(config.pipeline.batch_wait_s, on_batch=self.load_adaptive.on_batch,
-                                   one_model_at_a_time=config.pipeline.placement_strategy != "STRICT_SPREAD"
-                                   and not config.pipeline.pipelined)
+                                   one_model_at_a_time=config.pipeline.one_model_at_a_time)
         self.api_keys = ApiKeys.from_config(config.auth)  # the environment of this replica's process
         self.replica = uuid.uuid4().hex[:8]
         self.metrics = coordinator_metrics()

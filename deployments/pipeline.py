@@ -116,13 +116,14 @@ class StepBatches:
     no member is in flight and none is free, i.e. nobody else is about to call; a member free for longer
     than ``max_wait_s`` (a slow client) is not waited for. One request alone is never held back.
 
-    ``one_model_at_a_time``: where drafter and target share a node's cores and run in step (not pipelined), the
-    workers give each call every thread (deployments/workers.py), so a draft call beside a verify call
-    oversubscribes the cores. Without it, two requests that reached different phases (one drafting while the
-    other's target prefill ran) sent their draft and verify calls together at every step and stayed out of
+    ``one_model_at_a_time`` (``PipelineConfig``): where drafter and target share a node's cores and run in step
+    (not pipelined), the workers give each call every thread (deployments/workers.py), so a draft call beside a
+    verify call oversubscribes the cores. Two requests that reached different phases (one drafting while the
+    other's target prefill ran) send their draft and verify calls together at every step and stay out of
     phase: a batch of ~1 per pass, and drafter passes of 0.26-0.43 s against 0.035 s in step, at 2-4 clients
     (benchmarks/results/serve-scaling-drafter-price-f32/NOTES.md). With it, the pending calls of one worker
-    leave and the others wait; the members they free call again and join them, so the phases merge.
+    leave and the others wait; the members they free call again and join them, so the phases merge. What it
+    does not hold back: a prompt's prefill at open, which still runs beside a draft call.
 
     Why not Ray Serve's ``@serve.batch``: it waits a fixed time for a fixed count, while here the count is
     known exactly (who is drafting, who is verifying), and it needs a replica context (tests run this in
