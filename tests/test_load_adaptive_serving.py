@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import Draft
 
@@ -65,10 +67,12 @@ def _served(gemma, smollm, **pipeline):
                                   pipeline=pipeline)
 
 
-def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm):
+@pytest.mark.parametrize("one_model_at_a_time", [False, True])
+def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm, one_model_at_a_time):
     from deployments.coordinator import GenerationRequest
 
-    coordinator, target_worker, drafter_worker = _served(gemma, smollm)
+    coordinator, target_worker, drafter_worker = _served(gemma, smollm, one_model_at_a_time=one_model_at_a_time)
+    assert coordinator.batches.one_model_at_a_time == one_model_at_a_time
     requests = [GenerationRequest(prompt=prompt, algorithm=algorithm, pipelined=False,
                                   params=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
                 for prompt, algorithm in zip(PROMPTS, ["slem", "tli", "slem", "slrs"])]
