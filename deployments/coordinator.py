@@ -268,7 +268,8 @@ class Coordinator:
                               prepared.pipelined, self.batches,
                               on_step=lambda step: self._record_step(algorithm.name, step),
                               on_drafter_lost=lambda: self._drafter_lost(request_id),
-                              load_adaptive=self.load_adaptive if prepared.speculation.load_adaptive else None)
+                              load_adaptive=self.load_adaptive if prepared.speculation.load_adaptive else None,
+                              prefill_target=not prepared.pipelined)
             async for event in _until(prepared.deadline, loop.run()):
                 if first_text_at is None and event.text:
                     first_text_at = time.perf_counter()
@@ -311,7 +312,9 @@ class Coordinator:
     async def _open(self, prepared: Prepared, target: Worker, drafter: Worker | None) -> Worker | None:
         """Open the request's sessions; the drafter to use (None: lost while opening, decode target-only)."""
         args = (prepared.algorithm.name, prepared.speculation, prepared.params)
-        opening = [target.call("open", prepared.request_id, prepared.target_prompt_ids, *args)]
+        # In step, the target's prompt goes a chunk per target call with the others' verify calls
+        # (deployments/pipeline.py DecodeLoop): prefilled here it ran beside the others' draft calls
+        opening = [target.call("open", prepared.request_id, prepared.target_prompt_ids, *args, prepared.pipelined)]
         if drafter is not None:
             # The drafter's prefill waits for the first draft (deployments/workers.py) unless the models work side by
             # side (pipelined): in step, the first draft comes when the target is idle, while at open the two

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 from hetspec.adaptive import LoadAdaptive
 
+from deployments.workers import VerifyResult
+
 
 class ReplicaLoadAdaptive:
     def __init__(self) -> None:
@@ -50,9 +52,12 @@ class ReplicaLoadAdaptive:
         done = [(item, outcome) for item, outcome in zip(items, outcomes) if not isinstance(outcome, BaseException)]
         if not done:
             return
-        if method == "verify_many":  # outcomes: VerifyResult, the first with the target's passes since the last call
-            for rows, tokens, seconds in done[0][1].passes:
-                self.policy.record_target(rows, tokens, seconds)
+        if method == "verify_many":  # outcomes: VerifyResult (the first with the target's passes since the last
+            # call), or a count of prompt tokens for an item that fed a prompt's chunk
+            for outcome in (outcome for _, outcome in done if isinstance(outcome, VerifyResult)):
+                for rows, tokens, seconds in outcome.passes:
+                    self.policy.record_target(rows, tokens, seconds)
+                break
         elif method == "draft_many":  # outcomes: Draft, each with the call's drafter time
             passes = max(draft.drafter_forwards for _, draft in done)
             self.policy.record_drafter(len(done), passes, done[0][1].seconds)

@@ -122,8 +122,8 @@ class StepBatches:
     other's target prefill ran) send their draft and verify calls together at every step and stay out of
     phase: a batch of ~1 per pass, and drafter passes of 0.26-0.43 s against 0.035 s in step, at 2-4 clients
     (benchmarks/results/serve-scaling-drafter-price-f32/NOTES.md). With it, the pending calls of one worker
-    leave and the others wait; the members they free call again and join them, so the phases merge. What it
-    does not hold back: a prompt's prefill at open, which still runs beside a draft call.
+    leave and the others wait; the members they free call again and join them, so the phases merge. A prompt
+    goes a chunk per target call (``DecodeLoop``), so it too waits for the draft calls in flight.
 
     Why not Ray Serve's ``@serve.batch``: it waits a fixed time for a fixed count, while here the count is
     known exactly (who is drafting, who is verifying), and it needs a replica context (tests run this in
@@ -249,8 +249,11 @@ class DecodeLoop:
     def __init__(self, request_id: str, algorithm: Algorithm, progress: Progress, target_ids: list[int],
                  target: Worker, drafter: Worker | None, pipelined: bool, batches: StepBatches,
                  on_step: Callable[[Step], None] = lambda step: None,
-                 on_drafter_lost: Callable[[], None] = lambda: None, load_adaptive: ReplicaLoadAdaptive | None = None):
+                 on_drafter_lost: Callable[[], None] = lambda: None, load_adaptive: ReplicaLoadAdaptive | None = None,
+                 prefill_target: bool = False):
         self.batches = batches
+        # the target session was opened without its prompt: a chunk per target call, in step with the others' calls
+        self.prefill_target = prefill_target
         self.load_adaptive = load_adaptive  # the replica's choice of draft length at its load (None: the request's own)
         self.request_id = request_id
         self.algorithm = algorithm
@@ -278,6 +281,10 @@ class DecodeLoop:
                 self.load_adaptive.leave(self.progress)
 
     async def _steps(self) -> AsyncIterator[StreamEvent]:
+        # Each chunk goes with the others' verify calls (one target pass feeds them and the chunk), as a joining
+        # prompt does in process (hetspec/decoder.py's BatchDecoder); prefilled at open, it ran beside draft calls.
+        while self.prefill_target and await self.batches.call(self, self.target, "verify_many", (self.request_id, None)):
+            pass
         speculation: _Speculation | None = None
         new_ids: list[int] = []
         while True:

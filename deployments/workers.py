@@ -12,9 +12,9 @@ library's (a generator of passes), and every computation of every call shares th
 while a pass runs joins the next one (drafts of several requests advance together, one verification pass
 checks every request's draft). A session's prompt is prefilled in chunks when it opens
 (``pipeline.prefill_chunk_tokens``), each chunk in a pass with the others' rows, packed (hetspec/layouts.py),
-so a long prompt delays the others by one chunk's cost at a time. A drafter session may instead be opened
-without its prompt (requests in step, or while the replica drafts nothing); its first draft then prefills it, in
-chunks too.
+so a long prompt delays the others by one chunk's cost at a time. A session may instead be opened without its
+prompt (requests in step; the drafter's also while the replica drafts nothing): the target's prompt then goes a
+chunk per ``verify_many`` call, in the others' verify pass; the drafter's first draft prefills it, in chunks too.
 
 Large tensors leave through ``store`` and arrive through ``fetch`` (``ray.put`` / ``ray.get`` in actors):
 ``draft_probs`` [k, target_vocab] travels by object reference from the drafter to the target.
@@ -291,16 +291,25 @@ class TargetWorker(_Worker):
         return passes
 
     def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
-             params: SamplingParams) -> None:
+             params: SamplingParams, prefill_now: bool = True) -> None:
+        """``prefill_now``: the prompt now, or a chunk per ``verify_many`` item without a draft (the coordinator's
+        choice, deployments/coordinator.py ``_open``)."""
         # Verification reads only the algorithm's acceptance rule (``exact``): no vocabulary maps needed here.
         session = _TargetSession(self.model_threads.run(TargetSide, self.model, prompt_ids)[0],
                                  ALGORITHM_CLASSES[algorithm](None, speculation), params)
         self._open(request_id, session)
-        self._prefill(request_id, lambda session: (session.side.session, session.side.ids))
+        if prefill_now:
+            self._prefill(request_id, lambda session: (session.side.session, session.side.ids))
 
-    def verify_many(self, items: list[tuple[str, Draft]]) -> list[VerifyResult | Exception]:
-        """Per item (request_id, draft): the ids the target commits, or the exception; one pass verifies them all."""
-        def verify(session: _TargetSession, draft: Draft):
+    def verify_many(self, items: list[tuple[str, Draft | None]]) -> list[VerifyResult | int | Exception]:
+        """Per item (request_id, draft): the ids the target commits, or the exception; one pass verifies them all.
+        An item without a draft (None) feeds the next chunk of its session's prompt (opened without prefill) in that
+        pass instead, and returns the prompt tokens still to feed: one call, so the chunk and the others' drafts
+        share a pass (two calls sent together would run one pass each, hetspec/kv.py SharedPasses)."""
+        def verify(session: _TargetSession, draft: Draft | None):
+            if draft is None:
+                return (yield from prefill(session.side.session, session.side.ids, self.prefill_chunk_tokens,
+                                           chunks=1))
             draft = replace(draft, draft_probs=self._draft_probs(draft, session), first_row=0)
             new_ids = yield from session.side.verify(session.algorithm, draft, session.params)
             return VerifyResult(new_ids, logprobs=session.side.step_logprobs, rows=self.passes.last_rows)
@@ -309,9 +318,11 @@ class TargetWorker(_Worker):
         passes = self._drain_step_passes()
         results = []
         for outcome in outcomes:
-            if not isinstance(outcome, BaseException):
+            if isinstance(outcome, VerifyResult):
                 outcome, passes = replace(outcome, seconds=seconds, passes=passes), []
             results.append(outcome)
+        if any(draft is None for _, draft in items):
+            self._publish()
         return results
 
     def _draft_probs(self, draft: Draft, session: _TargetSession) -> torch.Tensor | None:

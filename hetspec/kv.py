@@ -451,11 +451,16 @@ def _settle(result: Future, value: Any, error: BaseException | None) -> None:
         result.set_result(value)
 
 
-def prefill(session: KVSession, ids: Sequence[int], chunk_tokens: int, leave: int = 1) -> Steps:
+def prefill(session: KVSession, ids: Sequence[int], chunk_tokens: int, leave: int = 1,
+            chunks: int | None = None) -> Steps:
     """Feed ``ids`` but the last ``leave`` (the next draft or verification feeds them) in chunks of
-    ``chunk_tokens``, one pass each: a joining prompt then delays the others' passes by one chunk at a time."""
-    while session.length < len(ids) - leave:
+    ``chunk_tokens``, one pass each: a joining prompt then delays the others' passes by one chunk at a time.
+    ``chunks``: at most this many (None: until only ``leave`` are left); returns the tokens still to feed."""
+    fed = 0
+    while session.length < len(ids) - leave and (chunks is None or fed < chunks):
         yield Feed(session, list(ids[session.length:len(ids) - leave][:chunk_tokens]), 1)
+        fed += 1
+    return max(len(ids) - leave - session.length, 0)
 
 
 def run_alone(language_model: "LanguageModel", computation: Steps) -> Any:

@@ -178,3 +178,34 @@ def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one
         assert (lazy.candidates, lazy.text) == (eager.candidates, eager.text) and eager.text
     finally:
         worker.close("eager"), worker.close("lazy")
+
+
+def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_the_others_verify_pass(gemma):
+    """In step the coordinator opens the target's session without its prompt and sends a chunk per verify call
+    (deployments/pipeline.py DecodeLoop): each chunk shares the pass of the others' verifications, and the session
+    then verifies what a session prefilled at open does."""
+    from deployments.config import AppConfig
+    from deployments.workers import TargetWorker
+
+    config = AppConfig.model_validate(small_app_args(pipeline={"prefill_chunk_tokens": 16}))
+    worker = TargetWorker(gemma, config.pipeline)
+    prompt_ids = gemma.encode_prompt("def fibonacci(n):\n    " * 4)
+    params = SamplingParams(max_new_tokens=4)
+    worker.open("eager", prompt_ids, "slem", SpeculationConfig(), params)
+    worker.open("lazy", prompt_ids, "slem", SpeculationConfig(), params, False)
+    try:
+        chunks, left, committed = 0, len(prompt_ids) - 1, []
+        while left:
+            passes = worker.passes.passes
+            eager, left_now = worker.verify_many([("eager", Draft()), ("lazy", None)])
+            assert worker.passes.passes == passes + 1, "the chunk rode in the eager session's verify pass"
+            assert isinstance(eager, VerifyResult) and left_now == max(left - 16, 0)
+            chunks, left, committed = chunks + 1, left_now, committed + eager.new_ids
+        assert chunks == -(-(len(prompt_ids) - 1) // 16)
+        # the eager session committed `chunks` ids meanwhile: the lazy one now verifies them as a draft
+        [lazy] = worker.verify_many([("lazy", Draft(candidates=committed))])
+        assert lazy.new_ids[:-1] == committed
+        [eager] = worker.verify_many([("eager", Draft())])
+        assert lazy.new_ids[-1] == eager.new_ids[0]
+    finally:
+        worker.close("eager"), worker.close("lazy")
