@@ -247,6 +247,17 @@ def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear(
     assert dear.choose({request: 0 for request in requests}) is None  # nobody drafts: nothing to choose
 
 
+def test_the_drafter_price_follows_its_passes_medians_not_its_first_call():
+    policy = LoadAdaptive()
+    policy.record_drafter(1, 2, 0.30)  # the first draft also fed the prompt (prefill deferred to it): 0.15 s a pass
+    for _ in range(5):
+        policy.record_drafter(1, 3, 0.105)  # then 0.035 s a pass, one request drafting (one client)
+    assert policy.drafter_cost == pytest.approx((0.035, 0.0))
+    for seconds in (0.15, 0.15, 0.9, 0.15):  # four rows drafting: 0.05 s a pass, one call catching a context up
+        policy.record_drafter(4, 3, seconds)
+    assert policy.drafter_cost == pytest.approx((0.03, 0.005))  # through each width's median
+
+
 def test_load_adaptive_explores_less_while_its_choice_holds_and_often_again_once_it_moves():
     requests = [_Waiting(accepted=10, drafted=25, drafts=5) for _ in range(8)]
     own = {request: request.own_k for request in requests}
