@@ -7,8 +7,11 @@ import secrets
 from pathlib import Path
 from typing import Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationInfo, field_validator, model_validator
+
+from hetspec.linear import uses_onednn
 
 Algorithm = Literal["auto", "ar", "sd", "slem", "tli", "slrs"]
 ALGORITHMS: tuple[str, ...] = ("auto", "ar", "sd", "slem", "tli", "slrs")
@@ -167,9 +170,8 @@ class ModelConfig(StrictModel):
         "onednn for float32 on the CPU and torch otherwise."))
 
     @model_validator(mode="after")
-    def _quantize_on_cpu(self) -> "ModelConfig":
+    def _kernels_fit(self) -> "ModelConfig":
         if self.quantize == "int8" and self.device != "cpu":
             raise ValueError("quantize: int8 runs on the CPU only")
-        if self.linear == "onednn" and (self.device != "cpu" or self.dtype != "float32" or self.quantize != "none"):
-            raise ValueError("linear: onednn is for float32 models on the CPU, not quantized")
+        uses_onednn(self.linear, getattr(torch, self.dtype), self.device, self.quantize)  # raises where it cannot
         return self

@@ -39,16 +39,21 @@ class OneDNNLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.onednn_bias is not None}"
 
 
-def uses_onednn(backend: str, dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether ``backend`` converts a model of ``dtype`` on ``device``: float32 on the CPU, oneDNN in this torch."""
+def uses_onednn(backend: str, dtype: torch.dtype, device: torch.device | str, quantize: str = "none") -> bool:
+    """Whether ``backend`` converts a model of ``dtype`` on ``device``: float32 on the CPU, not quantized, oneDNN in
+    this torch. The one place this rule is written: ``hetspec.config.ModelConfig`` checks a config with it before
+    anything loads, ``hetspec.models.load_model`` a call's arguments."""
     if backend not in BACKENDS:
         raise ValueError(f"linear must be one of {BACKENDS}, got {backend!r}")
+    if backend == "onednn" and quantize != "none":
+        raise ValueError(f"linear='onednn' converts float32 layers; quantize={quantize!r} leaves none")
     fits = dtype == torch.float32 and torch.device(device).type == "cpu"
     if backend == "onednn" and not fits:
         raise ValueError("linear='onednn' is for float32 models on the CPU")
     if backend == "onednn" and not torch.backends.mkldnn.is_available():
         raise ValueError("linear='onednn': this torch was built without oneDNN")
-    return backend == "onednn" or (backend == "auto" and fits and torch.backends.mkldnn.is_available())
+    return quantize == "none" and (backend == "onednn" or (backend == "auto" and fits
+                                                           and torch.backends.mkldnn.is_available()))
 
 
 def convert_linear_layers(model: torch.nn.Module) -> int:

@@ -164,9 +164,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
         if device != "cpu":
             raise ValueError("quantize='int8' (torch dynamic quantization) runs on the CPU only")
         dtype = "float32"
-    if quantize == "int8" and linear == "onednn":
-        raise ValueError("linear='onednn' converts float32 layers; quantize='int8' leaves none")
-    onednn = quantize == "none" and uses_onednn(linear, DTYPES[dtype], device)
+    onednn = uses_onednn(linear, DTYPES[dtype], device, quantize)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for but CUDA is not available")
     if threads:

@@ -45,6 +45,19 @@ def test_auto_converts_float32_on_the_cpu_only_and_onednn_refuses_what_it_cannot
         uses_onednn("mkl", torch.float32, "cpu")
     with pytest.raises(ValueError, match="quantize='int8' leaves none"):
         load_model("smollm2-135m", quantize="int8", linear="onednn")
+    assert not uses_onednn("auto", torch.float32, "cpu", quantize="int8")
+
+
+def test_a_model_config_is_checked_by_the_same_rule_before_anything_loads():
+    from pydantic import ValidationError
+
+    from hetspec.config import ModelConfig
+
+    with pytest.raises(ValidationError, match="quantize='int8' leaves none"):
+        ModelConfig(model="smollm2-135m", quantize="int8", linear="onednn")
+    with pytest.raises(ValidationError, match="float32 models on the CPU"):
+        ModelConfig(model="smollm2-135m", dtype="bfloat16", linear="onednn")
+    assert ModelConfig(model="smollm2-135m", dtype="bfloat16", quantize="none").linear == "auto"
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
