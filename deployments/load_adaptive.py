@@ -7,7 +7,8 @@ replica's running requests as they stand then, and every request asking within t
 policy's probes and its exploring steps then count steps, as in process, not requests). The policy is
 the library's, unchanged. The prices: the target's from its own passes (``VerifyResult.passes``: each pass without a
 prompt's chunk, timed around the pass), not from the ``verify_many`` calls, whose time also holds a pass they
-shared with a prompt's chunk or waited for; the drafter's from the ``draft_many`` calls (k positions: k passes).
+shared with a prompt's chunk or waited for; the drafter's likewise from its passes (``Draft.passes``), not from the
+``draft_many`` calls, whose time also holds the chunks of a context the drafter catches up.
 It changes which tokens are drafted, never which are output.
 """
 
@@ -58,6 +59,6 @@ class ReplicaLoadAdaptive:
                 for rows, tokens, seconds in outcome.passes:
                     self.policy.record_target(rows, tokens, seconds)
                 break
-        elif method == "draft_many":  # outcomes: Draft, each with the call's drafter time
-            passes = max(draft.drafter_forwards for _, draft in done)
-            self.policy.record_drafter(len(done), passes, done[0][1].seconds)
+        elif method == "draft_many":  # outcomes: Draft, the first with the drafter's passes since the last call
+            for rows, _, seconds in done[0][1].passes:
+                self.policy.record_drafter(rows, 1, seconds)

@@ -108,6 +108,11 @@ class _Worker:
         self.model_threads = ModelThreads(
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
             at_other_model=(lambda: self.sessions.elsewhere(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
+        # The load-adaptive prices (deployments/load_adaptive.py) come from passes, not calls: a call's time also
+        # holds the passes it waited for, a pass it shared with a prompt's chunk (a pass ~8x dearer), and a draft's
+        # catch-up of a context; priced from those, the policy misread the cost of drafting
+        self._step_passes: deque[tuple[int, int, float]] = deque(maxlen=64)
+        self._step_passes_guard = threading.Lock()
         self.model = self.model_threads.run(_load, model)[0]
         self.passes = SharedPasses(self.model, execute=self.model_threads.run, on_pass=self._record_pass)
         self.prefill_chunk_tokens = pipeline.prefill_chunk_tokens
@@ -165,6 +170,16 @@ class _Worker:
     def _record_pass(self, record: PassRecord) -> None:
         self._metrics.passes.inc(tags=self._tags)
         self._metrics.pass_rows.observe(record.rows, tags={"role": self.role})
+        if not record.prompt_chunk:  # a step's pass: what a draft length choice changes
+            with self._step_passes_guard:
+                self._step_passes.append((record.rows, record.tokens, record.seconds))
+
+    def _drain_step_passes(self) -> list[tuple[int, int, float]]:
+        """This model's passes without a prompt's chunk since the last drain: (rows, tokens fed, seconds) each."""
+        with self._step_passes_guard:
+            passes = list(self._step_passes)
+            self._step_passes.clear()
+        return passes
 
     def close(self, request_id: str) -> bool:
         closed = self.sessions.close(request_id)
@@ -251,11 +266,12 @@ class DrafterWorker(_Worker):
                                                        draft_round))
 
         outcomes, seconds = self._run_for([(item[0], item[1:]) for item in items], draft)
+        passes = self._drain_step_passes()
         for outcome in outcomes:
             if isinstance(outcome, Draft):
                 if outcome.draft_probs is not None:  # [k, target_vocab] travels by reference to the target
                     outcome.draft_probs = self.store(outcome.draft_probs)
-                outcome.seconds = seconds
+                outcome.seconds, outcome.passes, passes = seconds, passes, []
         return outcomes
 
 
@@ -273,22 +289,6 @@ class TargetWorker(_Worker):
                  fetch: Callable[[Any], torch.Tensor] = _same):
         super().__init__(model, pipeline, release=lambda session: session.side.release())
         self.fetch = fetch
-        # Why passes and not verify calls: a call's time also holds the passes it waited for, and a pass it shared
-        # with a prompt's chunk (a pass ~8x dearer); priced from those, the policy misread the cost of drafting
-        self._step_passes: deque[tuple[int, int, float]] = deque(maxlen=64)
-        self._step_passes_guard = threading.Lock()
-
-    def _record_pass(self, record: PassRecord) -> None:
-        super()._record_pass(record)
-        if not record.prompt_chunk:  # a step's pass: what a draft length choice changes
-            with self._step_passes_guard:
-                self._step_passes.append((record.rows, record.tokens, record.seconds))
-
-    def _drain_step_passes(self) -> list[tuple[int, int, float]]:
-        with self._step_passes_guard:
-            passes = list(self._step_passes)
-            self._step_passes.clear()
-        return passes
 
     def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
              params: SamplingParams, prefill_now: bool = True) -> None:

@@ -40,11 +40,13 @@ def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_dr
         items = [(str(index), Draft(candidates=[1] * drafted)) for index in range(8)]
         results = [VerifyResult([1], seconds + 2.5, passes=[(8, 8 * (1 + drafted), seconds)])]
         adaptive.on_batch("verify_many", items, results + [VerifyResult([1], seconds + 2.5)] * 7)
-    for rows, seconds in ((8, 0.5), (2, 0.3)):  # draft_many of 5 positions
+    for rows, seconds in ((8, 0.5), (2, 0.3)):  # draft_many of 5 positions; the call took longer (a catch-up)
         items = [(str(index), b"", 5, 0, 0) for index in range(rows)]
-        adaptive.on_batch("draft_many", items, [Draft(candidates=[1] * 5, drafter_forwards=5, seconds=seconds)] * rows)
+        drafts = [Draft(candidates=[1] * 5, drafter_forwards=5, seconds=seconds + 2, passes=[(rows, rows, seconds / 5)] * 5)]
+        adaptive.on_batch("draft_many", items, drafts + [Draft(candidates=[1] * 5, seconds=seconds + 2)] * (rows - 1))
     assert adaptive.policy.target_passes == [(8, 0.2), (8, 0.2), (48, 5.4), (48, 5.4)]
-    assert adaptive.policy.target_cost[1] > 0.1 and adaptive.policy.drafter_cost is not None
+    assert adaptive.policy.target_cost[1] > 0.1
+    assert adaptive.policy.drafter_cost == pytest.approx((0.14 / 3, 0.02 / 3)), "the passes' prices, not the calls'"
     assert adaptive.drafting(), "no round chosen yet"
     assert [adaptive.cap(request) for request in requests] == [0] * 8
     assert not adaptive.drafting(), "a request joining now leaves its drafter prefill to its first draft"
@@ -209,3 +211,20 @@ def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_th
         assert lazy.new_ids[-1] == eager.new_ids[0]
     finally:
         worker.close("eager"), worker.close("lazy")
+
+
+def test_the_drafter_worker_hands_back_its_draft_passes_not_a_catch_up(gemma, smollm):
+    """The drafter's price comes from its passes too: a first draft that feeds the whole prompt (the session opened
+    without it) leaves that pass out, so a catch-up does not make drafting look dear."""
+    _, _, worker = in_process_coordinator(gemma, smollm)
+    prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 3)
+    assert 33 < len(prompt_ids) < 128  # one feed with the draft's first pass, long enough to count as a prompt's
+    speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
+    worker.open("lazy", prompt_ids, "slem", speculation, params, False)
+    try:
+        [draft] = worker.draft_many([("lazy", b"", 4, 0, 0)])
+        assert draft.drafter_forwards >= 2 and draft.seconds > 0
+        assert [(rows, tokens) for rows, tokens, _ in draft.passes] == [(1, 1)] * (draft.drafter_forwards - 1)
+        assert sum(seconds for _, _, seconds in draft.passes) < draft.seconds
+    finally:
+        worker.close("lazy")
