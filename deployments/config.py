@@ -57,12 +57,12 @@ class PipelineConfig(StrictModel):
         "waited for, one request alone never waits (deployments/pipeline.py, StepBatches)."))
     one_model_at_a_time: bool = Field(False, description=(
         "Decoding requests' draft and verify calls never run at once: one model's calls leave, the other's wait "
-        "for them (deployments/pipeline.py, StepBatches). For drafter and target on the same cores in step "
-        "(not pipelined, not STRICT_SPREAD), where each call takes every thread: requests out of phase otherwise "
-        "run both models at once at every step and stay out of phase. Measured on 2 CPU cores "
-        "(benchmarks/results/serve-scaling-one-model-at-a-time-f32/NOTES.md): at 2 clients drafting k = 5 "
-        "2.8 -> 5.3 tok/s; with the load-adaptive draft length 1.05x / 0.85x / 0.65x of speculation off at "
-        "2 / 4 / 8 clients against 0.94x / 0.78x / 0.90x without it, so off by default."))
+        "for them, and in step a prompt goes a chunk per verify call (deployments/pipeline.py, StepBatches). For "
+        "drafter and target on the same cores in step (not pipelined, not STRICT_SPREAD), where each call takes "
+        "every thread: requests out of phase otherwise run both models at once at every step and stay out of "
+        "phase. On 2 CPU cores the requests then ran in full batches (3.8-4.0 of 4 clients, 7.8-8.0 of 8; "
+        "benchmarks/results/serve-scaling-prefill-in-step-f32/NOTES.md); deployments/config.yaml turns it on. Off "
+        "where the models have their own devices or are pipelined: there drafting beside verifying is the point."))
     worker_env_vars: dict[str, str] = Field(default_factory=dict, description=(
         "Environment variables of the drafter and target actors' processes (Ray's runtime_env env_vars), set "
         "before they start: e.g. LD_PRELOAD: libjemalloc.so.2, with which a soak's drafter ran 390 MiB lower than "
