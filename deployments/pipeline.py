@@ -270,9 +270,15 @@ class DecodeLoop:
 
     async def run(self) -> AsyncIterator[StreamEvent]:
         self.batches.join(self)
-        if self.load_adaptive is not None:
-            self.load_adaptive.join(self.progress, lambda: self.progress.draft_length(self.drafter is not None))
         try:
+            # Each chunk goes with the others' verify calls (one target pass feeds them and the chunk), as a joining
+            # prompt does in process (hetspec/decoder.py's BatchDecoder); prefilled at open, it ran beside draft
+            # calls. The draft length policy counts the request once it steps, as in process.
+            while self.prefill_target and await self.batches.call(self, self.target, "verify_many",
+                                                                  (self.request_id, None)):
+                pass
+            if self.load_adaptive is not None:
+                self.load_adaptive.join(self.progress, lambda: self.progress.draft_length(self.drafter is not None))
             async for event in self._steps():
                 yield event
         finally:
@@ -281,10 +287,6 @@ class DecodeLoop:
                 self.load_adaptive.leave(self.progress)
 
     async def _steps(self) -> AsyncIterator[StreamEvent]:
-        # Each chunk goes with the others' verify calls (one target pass feeds them and the chunk), as a joining
-        # prompt does in process (hetspec/decoder.py's BatchDecoder); prefilled at open, it ran beside draft calls.
-        while self.prefill_target and await self.batches.call(self, self.target, "verify_many", (self.request_id, None)):
-            pass
         speculation: _Speculation | None = None
         new_ids: list[int] = []
         while True:

@@ -228,3 +228,37 @@ def test_the_drafter_worker_hands_back_its_draft_passes_not_a_catch_up(gemma, sm
         assert sum(seconds for _, _, seconds in draft.passes) < draft.seconds
     finally:
         worker.close("lazy")
+
+
+def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(gemma, smollm):
+    """In step, the target's prompt goes a chunk per verify call; until it is in the cache the request is not in
+    the policy's round (in process, ``BatchDecoder`` keeps a joining request out of ``running`` the same way)."""
+    from deployments.coordinator import GenerationRequest
+
+    coordinator, target_worker, _ = _served(gemma, smollm, pipelined=False, prefill_chunk_tokens=16)
+    prompt = "def moving_average(values, window):\n    " * 5
+    prompt_ids = gemma.encode_prompt(prompt)
+    assert len(prompt_ids) > 3 * 16
+    cached_at_join, join = [], coordinator.load_adaptive.join
+
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prepared = coordinator.prepare(GenerationRequest(prompt=prompt, algorithm="slem", params=params))
+
+    def joining(progress, own_length):
+        with target_worker.sessions.use(prepared.request_id) as session:
+            cached_at_join.append(session.side.session.length)
+        join(progress, own_length)
+
+    coordinator.load_adaptive.join = joining
+
+    async def run():
+        events = [event async for event in coordinator.run(prepared, "test")]
+        await coordinator.admission.closes_done()
+        return [token for event in events for token in event.token_ids]
+
+    passes = target_worker.passes.passes
+    token_ids = asyncio.run(run())
+    assert cached_at_join == [len(prompt_ids) - 1], "the whole prompt but its last token, fed before it joined"
+    assert target_worker.passes.passes - passes >= -(-(len(prompt_ids) - 1) // 16), "a pass per chunk"
+    alone = Engine(gemma, smollm).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
+    assert token_ids == alone
