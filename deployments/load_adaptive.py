@@ -55,10 +55,9 @@ class ReplicaLoadAdaptive:
             return
         if method == "verify_many":  # outcomes: VerifyResult (the first with the target's passes since the last
             # call), or a count of prompt tokens for an item that fed a prompt's chunk
-            for outcome in (outcome for _, outcome in done if isinstance(outcome, VerifyResult)):
-                for rows, tokens, seconds in outcome.passes:
-                    self.policy.record_target(rows, tokens, seconds)
-                break
+            first = next((outcome for _, outcome in done if isinstance(outcome, VerifyResult)), None)
+            for rows, tokens, seconds in first.passes if first is not None else ():
+                self.policy.record_target(rows, tokens, seconds)
         elif method == "draft_many":  # outcomes: Draft, the first with the drafter's passes since the last call
             for rows, _, seconds in done[0][1].passes:
                 self.policy.record_drafter(rows, 1, seconds)
