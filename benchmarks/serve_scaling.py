@@ -38,6 +38,7 @@ import yaml
 from benchmarks import report
 from benchmarks.batch_bench import hf_batched
 from benchmarks.prompts import load_prompts
+from deployments.cpu_env import cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 HEALTH_TIMEOUT_S = 1200
@@ -115,10 +116,15 @@ def hf_levels(args: argparse.Namespace, config: Path, file: str) -> dict:
 class Served:
     """``serve run`` of a config from a checkout, in its own process group; stopped by SIGINT (Serve's path)."""
 
-    def __init__(self, checkout: Path, config: Path, log: Path):
+    def __init__(self, checkout: Path, config: Path, log: Path, use_cpu_env: bool = True):
+        # the environment the checkout's scripts/main.sh gives `serve run` (none before deployments/cpu.env)
+        env_file = checkout / "deployments" / "cpu.env"
+        ray_env = cpu_env(env_file) if use_cpu_env and env_file.exists() else {}
         env = {**os.environ, "PYTHONPATH": str(checkout), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+               "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **ray_env}
         self.log = log.open("w")
+        self.log.write(f"# serve run {config} with {ray_env or 'no'} environment from deployments/cpu.env\n")
+        self.log.flush()
         self.process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)],
                                         cwd=checkout, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                         start_new_session=True)

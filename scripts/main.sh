@@ -29,6 +29,9 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # ~/.ray/auth_token); this job's Ray instance is its own and bound to 127.0.0.1, so it runs without
 # (deployments/README.md, "Token authentication").
 export RAY_AUTH_MODE=disabled
+# Serve's own timers slowed for a machine of few cores: every Ray process the server starts inherits them
+# (deployments/cpu.env says why and what it costs).
+set -a; . deployments/cpu.env; set +a
 
 for port in 8000 9000; do  # config.yaml's HTTP and gRPC ports
   python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', $port))" 2>/dev/null \
