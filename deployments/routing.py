@@ -56,8 +56,7 @@ class RoomRouter(RequestRouter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.default_capacity = 1
-        self.full_grace_s = FULL_GRACE_S
+        self.initialize_state()  # the defaults in one place; Serve calls it again with the config's kwargs
         self.sent: dict[str, Any] = {}  # internal request id -> replica id: generations chosen or running
         self.chosen: dict[str, tuple[PendingRequest, float]] = {}  # chosen here, not yet accepted
         self.full_since: dict[str, float] = {}  # requests that found every replica full: since when
