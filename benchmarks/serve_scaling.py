@@ -7,9 +7,10 @@ unbatched server, in one run on the same prompts and threads.
 Steps, one after the other (never two at once on this machine):
 1. ``hf-batched``: transformers' ``generate`` of the target alone, greedy, on a left-padded batch of the first
    c prompts, for each concurrency c (what a user gets without a server);
-2. the server of this checkout (``serve run`` of the config): ``serve_bench`` at each concurrency with the
-   config's speculation (gRPC and HTTP) and with ``algorithm: ar`` (speculation off, gRPC); with
-   ``--pipelined-too`` also with per-request pipelining on (gRPC, ``served-pipelined``);
+2. the server of this checkout (``serve run`` of the config, with deployments/cpu.env): at each concurrency in
+   turn, ``serve_bench`` with the config's speculation (gRPC and HTTP), then with ``algorithm: ar``
+   (speculation off, gRPC); with ``--pipelined-too`` then with per-request pipelining on (gRPC,
+   ``served-pipelined``);
 3. the server of ``--baseline-commit`` (a git worktree; the unbatched server) with the config's speculation;
 4. with ``--hf-after``, step 1 again (``hf-batched-after``): this shared machine's speed drifts (the same
    in-process decoding took 15 s and 22 s twenty minutes apart), and the server's levels sit between the two
@@ -155,8 +156,8 @@ class Served:
 
 
 def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protocol: str, algorithm: str,
-          folder: Path, extra: tuple[str, ...] = ()) -> dict:
-    """serve_bench at each concurrency: {concurrency: {protocol: level row}}."""
+          folder: Path, extra: tuple[str, ...] = (), warmup: bool = True) -> dict:
+    """serve_bench at each concurrency: {concurrency: {protocol: level row}}; ``warmup``: one request first."""
     levels: dict = {}
     for concurrency in concurrencies:
         out = folder / f"{label}-c{concurrency}"
@@ -167,7 +168,7 @@ def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protoc
         command = [sys.executable, "-m", "benchmarks.serve_bench", "--protocol", protocol, "--concurrency",
                    str(concurrency), "--requests", str(max(2, concurrency)), "--max-new-tokens",
                    str(args.max_new_tokens), "--task", args.task, "--num-prompts", str(max(args.concurrency)),
-                   "--warmup", "1" if concurrency == concurrencies[0] else "0", "--label", label, "--out", str(out)]
+                   "--warmup", "1" if warmup and concurrency == concurrencies[0] else "0", "--label", label, "--out", str(out)]
         if algorithm:
             command += ["--algorithm", algorithm]
         subprocess.run(command + list(extra), cwd=REPO, check=True)
@@ -240,15 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         labels = ["served", "served-ar"] + (["served-pipelined"] if args.pipelined_too else [])
         with (contextlib.nullcontext() if all(measured(label, args.concurrency) for label in labels)
               else Served(REPO, config, args.out / "serve.log")):
-            both = bench(args, "served", args.concurrency, "both", "", args.out / "raw")
-            methods["served-grpc"] = {c: rows["grpc"] for c, rows in both.items()}
-            methods["served-http"] = {c: rows["http"] for c, rows in both.items()}
-            spec_off = bench(args, "served-ar", args.concurrency, "grpc", "ar", args.out / "raw")
-            methods["served-ar-grpc"] = {c: rows["grpc"] for c, rows in spec_off.items()}
-            if args.pipelined_too:
-                overlapped = bench(args, "served-pipelined", args.concurrency, "grpc", "", args.out / "raw",
-                                   ("--pipelined", "on"))
-                methods["served-pipelined-grpc"] = {c: rows["grpc"] for c, rows in overlapped.items()}
+            # a level's methods back to back, not one method over every level: this machine's speed drifts by
+            # 10-16% in a run, which fell between speculation on and off when each ran all its levels in turn
+            for concurrency in args.concurrency:
+                first = concurrency == args.concurrency[0]
+                both = bench(args, "served", [concurrency], "both", "", args.out / "raw", warmup=first)
+                methods.setdefault("served-grpc", {})[concurrency] = both[concurrency]["grpc"]
+                methods.setdefault("served-http", {})[concurrency] = both[concurrency]["http"]
+                spec_off = bench(args, "served-ar", [concurrency], "grpc", "ar", args.out / "raw", warmup=first)
+                methods.setdefault("served-ar-grpc", {})[concurrency] = spec_off[concurrency]["grpc"]
+                if args.pipelined_too:
+                    overlapped = bench(args, "served-pipelined", [concurrency], "grpc", "", args.out / "raw",
+                                       ("--pipelined", "on"), warmup=first)
+                    methods.setdefault("served-pipelined-grpc", {})[concurrency] = overlapped[concurrency]["grpc"]
     if args.baseline_commit and "baseline" not in args.skip:
         with tempfile.TemporaryDirectory() as scratch:
             worktree = Path(scratch) / "baseline"
