@@ -168,7 +168,8 @@ def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protoc
         command = [sys.executable, "-m", "benchmarks.serve_bench", "--protocol", protocol, "--concurrency",
                    str(concurrency), "--requests", str(max(2, concurrency)), "--max-new-tokens",
                    str(args.max_new_tokens), "--task", args.task, "--num-prompts", str(max(args.concurrency)),
-                   "--warmup", "1" if warmup and concurrency == concurrencies[0] else "0", "--label", label, "--out", str(out)]
+                   "--warmup", "1" if warmup and concurrency == concurrencies[0] else "0", "--label", label,
+                   "--out", str(out)]
         if algorithm:
             command += ["--algorithm", algorithm]
         subprocess.run(command + list(extra), cwd=REPO, check=True)
