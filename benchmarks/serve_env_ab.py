@@ -1,9 +1,10 @@
 """The default server with and without deployments/cpu.env (Serve's timers slowed), one client, in ABBA order.
 
-Each server: ``serve run`` of deployments/config.yaml with its target in float32, one warm-up request, then
-3 HumanEval prompts (every 16th) x 64 greedy tokens over HTTP with speculation off (``ar``) and with the
-config's own (``auto``). Reports each prompt's tokens/s with the file over without it, the target's seconds
-per pass from the statistics, and whether every output is the same under both.
+Each server: ``serve run`` of deployments/config.yaml (``--config``) with its target in float32
+(``--target-dtype``), one warm-up request, then 3 HumanEval prompts (every 16th) x 64 greedy tokens over HTTP
+with speculation off (``ar``) and with the config's own (``auto``). Reports each prompt's tokens/s with the
+file over without it, the target's seconds per pass from the statistics, and whether every output is the same
+under both.
 
     python -m benchmarks.serve_env_ab --out benchmarks/results/serve-cpu-env-ab
 """
@@ -20,15 +21,15 @@ import httpx
 import yaml
 
 from benchmarks.prompts import load_prompts
-from benchmarks.serve_scaling import Served
+from benchmarks.serve_scaling import Served, served_config
 from deployments.cpu_env import CPU_ENV_FILE, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = ("without", "with", "with", "without")  # ABBA: drift of the machine falls on both alike
 
 
-def ask(prompt: str, algorithm: str) -> dict:
-    body = {"model": "qwen2.5-coder-1.5b", "prompt": prompt, "max_tokens": 64, "temperature": 0,
+def ask(model: str, prompt: str, algorithm: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0,
             "hetspec": {"algorithm": algorithm, "ignore_eos": True}}
     start = time.monotonic()
     reply = httpx.post("http://127.0.0.1:8000/v1/completions", json=body, timeout=600).json()
@@ -41,21 +42,21 @@ def ask(prompt: str, algorithm: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=REPO / "deployments" / "config.yaml")
+    parser.add_argument("--target-dtype", default="float32", help="override the config's target dtype")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    config = yaml.safe_load((REPO / "deployments" / "config.yaml").read_text())
-    config["applications"][0]["args"]["target"]["dtype"] = "float32"
-    config_path = args.out / "config.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    config_path = served_config(args, args.out)
+    model = yaml.safe_load(config_path.read_text())["applications"][0]["args"]["model_id"]
     prompts = [case.text for case in load_prompts("humaneval", 3, stride=16)]
     file_env, rows = cpu_env(), []
     for round_, setting in enumerate(SETTINGS):
         with Served(REPO, config_path, args.out / f"serve-{round_}-{setting}.log", use_cpu_env=setting == "with"):
-            ask(prompts[0][:200], "ar")
+            ask(model, prompts[0][:200], "ar")
             for algorithm in ("ar", "auto"):
                 for index, prompt in enumerate(prompts):
-                    row = ask(prompt, algorithm) | {"setting": setting, "round": round_, "algorithm": algorithm,
-                                                   "prompt": index}
+                    row = ask(model, prompt, algorithm) | {"setting": setting, "round": round_,
+                                                          "algorithm": algorithm, "prompt": index}
                     rows.append(row)
                     print(setting, round_, algorithm, index, f"{row['tokens'] / row['wall_s']:.2f} tok/s, "
                           f"{row['target_pass_s'] * 1000:.0f} ms a pass", flush=True)
@@ -63,8 +64,9 @@ def main() -> None:
     for algorithm in ("ar", "auto"):
         ratios = []
         for index in range(len(prompts)):
-            speed = {setting: statistics.mean(row["tokens"] / row["wall_s"] for row in rows if row["setting"] == setting
-                                              and row["algorithm"] == algorithm and row["prompt"] == index)
+            speed = {setting: statistics.mean(row["tokens"] / row["wall_s"] for row in rows
+                                              if (row["setting"], row["algorithm"], row["prompt"])
+                                              == (setting, algorithm, index))
                      for setting in ("with", "without")}
             ratios.append(speed["with"] / speed["without"])
         summary[algorithm] = {"with_over_without": [round(ratio, 3) for ratio in ratios],

@@ -297,6 +297,16 @@ def test_cpu_manifest_runs_one_pipeline_offline_on_its_worker():
     assert needed_cpus <= _cpu_quantity(container["resources"]["limits"]["cpu"])
 
 
+@pytest.mark.parametrize("pod", ["head", "worker"])
+def test_both_pods_of_the_cpu_manifest_carry_deployments_cpu_env(pod):
+    """The head runs Serve's controller and proxy, the worker the replicas: both read the file's variables."""
+    from deployments.cpu_env import cpu_env
+
+    cluster = _rayservice("rayservice.cpu.yaml")["spec"]["rayClusterConfig"]
+    group = cluster["headGroupSpec"] if pod == "head" else cluster["workerGroupSpecs"][0]
+    env = {variable["name"]: variable.get("value") for variable in _container(group)["env"]}
+    assert {name: env.get(name) for name in cpu_env()} == cpu_env()
+
 # ---- Dockerfile -------------------------------------------------------------------------------------------
 
 def _dockerfile_args() -> dict[str, str]:

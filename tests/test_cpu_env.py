@@ -1,4 +1,5 @@
-"""deployments/cpu.env: Serve reads what it sets, bash and python read it alike, the CPU pods carry it."""
+"""deployments/cpu.env: Serve reads what it sets, bash and python read it alike (the CPU pods carry it:
+tests/test_cluster_manifests.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-
 from deployments.cpu_env import CPU_ENV_FILE, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,13 +46,3 @@ def test_a_variable_without_a_value_is_an_error(tmp_path):
     env_file.write_text("# comment\nRAY_SERVE_CONTROL_LOOP_INTERVAL_S=1.0\nRAY_SERVE_METRICS_EXPORT_INTERVAL_MS\n")
     with pytest.raises(ValueError, match="RAY_SERVE_METRICS_EXPORT_INTERVAL_MS without a value"):
         cpu_env(env_file)
-
-
-@pytest.mark.parametrize("pod", ["head", "worker"])
-def test_both_pods_of_the_cpu_rayservice_carry_it(pod):
-    service = yaml.safe_load((REPO / "cluster" / "kuberay" / "rayservice.cpu.yaml").read_text())
-    cluster = service["spec"]["rayClusterConfig"]
-    group = cluster["headGroupSpec"] if pod == "head" else cluster["workerGroupSpecs"][0]
-    (container,) = group["template"]["spec"]["containers"]
-    env = {variable["name"]: variable.get("value") for variable in container["env"]}
-    assert {name: env.get(name) for name in cpu_env()} == cpu_env()
