@@ -12,8 +12,9 @@ a drafter pass, so at some batch size plain decoding wins. The policy (docs/batc
   last d: kept at its first sample instead, the drafter stayed priced at 0.09-0.13 s a pass against 0.035 s);
 - request r accepts each drafted token with probability alpha_r, so a draft of k commits
   E_r(k) = 1 + alpha_r + ... + alpha_r^k tokens in expectation (1 for k = 0); alpha_r is the value for which
-  that model gives the mean accepted tokens per draft the request has had at its mean draft length (acceptance
-  comes in runs: a per-token rate accepted / drafted would underprice long drafts);
+  that model gives the mean accepted tokens per draft the request's drafter drafts have had at their mean length
+  (acceptance comes in runs: a per-token rate accepted / drafted would underprice long drafts), with one
+  pseudo-draft at alpha = 0.5 among them (``acceptance``);
 - the step's k maximises  sum_r E_r(min(k, k_r)) / (T(sum_r (1 + min(k, k_r))) + k * D(drafting rows)),
   with k_r the request's own draft length (``DraftLength``), over k = 0 .. max k_r.
 
@@ -41,10 +42,18 @@ EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
 
 
 def acceptance(accepted: int, drafted: int, drafts: int) -> float:
-    """alpha with alpha + ... + alpha^k = accepted per draft, k = drafted per draft (bisection); 0.5 before any."""
+    """alpha with alpha + ... + alpha^k = accepted per draft, k = drafted per draft (bisection); 0.5 before any.
+
+    One pseudo-draft of the mean length at alpha = 0.5 counts with the ``drafts`` (as the lookup's
+    ``SourceTally.accepted_per_draft``): read alone, a request's first draft rejected set alpha to 0, so the
+    request drafted nothing until the replica's next exploring step, up to EXPLORE_MAX steps later, i.e. for the
+    rest of a 64-token request (at 1 client, mean draft length 0.06 on some requests:
+    benchmarks/results/serve-scaling-cpu-env-interleaved-f32/NOTES.md)."""
     if drafts == 0 or drafted == 0:
         return 0.5
-    length, mean_accepted = drafted / drafts, accepted / drafts
+    length = drafted / drafts
+    prior = sum(0.5 ** index for index in range(1, int(round(length)) + 1))
+    mean_accepted = (accepted + prior) / (drafts + 1)
     low, high = 0.0, 1.0
     for _ in range(40):
         alpha = (low + high) / 2
@@ -123,7 +132,8 @@ class LoadAdaptive:
         tokens, committed, drafting = 0, 0.0, 0
         for request, own_k in own.items():
             length = min(k, own_k)
-            alpha = acceptance(request.stats.accepted_tokens, request.stats.drafted_tokens, request.drafts)
+            drafted = request.stats.tally("drafter")  # a lookup's drafts are the lookup's (hetspec/lookup.py)
+            alpha = acceptance(drafted.accepted, drafted.drafted, drafted.drafts)
             committed += sum(alpha ** index for index in range(length + 1))
             tokens += 1 + length
             drafting += length > 0

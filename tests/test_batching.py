@@ -24,6 +24,7 @@ from hetspec.adaptive import EXPLORE, EXPLORE_MAX, LoadAdaptive, acceptance
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
 from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
+from hetspec.lookup import SourceTally
 
 TIE_MARGIN = 1e-4
 
@@ -226,14 +227,25 @@ class _Waiting:
     """What the load-adaptive policy reads of a request: its statistics and draft rounds."""
 
     def __init__(self, accepted: int, drafted: int, drafts: int, own_k: int = 5):
-        self.stats = SimpleNamespace(accepted_tokens=accepted, drafted_tokens=drafted)
-        self.drafts, self.own_k = drafts, own_k
+        tally = SourceTally(drafts, drafted, accepted)
+        self.stats = SimpleNamespace(tally=lambda source: tally if source == "drafter" else SourceTally())
+        self.own_k = own_k
 
 
-def test_acceptance_inverts_the_expected_accepted_tokens():
-    alpha = acceptance(accepted=10, drafted=25, drafts=5)  # 2 accepted per draft of 5
-    assert abs(sum(alpha ** index for index in range(1, 6)) - 2.0) < 1e-6
-    assert acceptance(0, 0, 0) == 0.5 and acceptance(25, 25, 5) > 0.999
+def test_acceptance_inverts_the_expected_accepted_tokens_with_one_pseudo_draft_at_one_half():
+    alpha = acceptance(accepted=10, drafted=25, drafts=5)  # 2 accepted per draft of 5, and a pseudo-draft
+    prior = sum(0.5 ** index for index in range(1, 6))
+    assert sum(alpha ** index for index in range(1, 6)) == pytest.approx((10 + prior) / 6, abs=1e-6)
+    assert acceptance(0, 0, 0) == 0.5 and acceptance(2500, 2500, 500) > 0.99 and acceptance(0, 2500, 500) < 0.01
+
+
+def test_one_rejected_draft_does_not_stop_a_request_drafting():
+    """Read alone, a first draft of 5 rejected made alpha 0 and k = 0 until the next exploring step."""
+    assert 0.2 < acceptance(0, 5, 1) < 0.5
+    policy = LoadAdaptive()
+    policy.target_cost, policy.drafter_cost = (0.27, 0.014), (0.022, 0.0)  # one client on the 2-core CPU (f32)
+    unlucky = _Waiting(accepted=0, drafted=5, drafts=1)
+    assert policy.choose({unlucky: 5}) > 0
 
 
 def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear():

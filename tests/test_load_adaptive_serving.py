@@ -9,6 +9,7 @@ import pytest
 
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import Draft
+from hetspec.output import Stats
 
 from deployments.load_adaptive import ReplicaLoadAdaptive
 from deployments.workers import VerifyResult
@@ -20,13 +21,10 @@ NEW_TOKENS = 14
 
 
 class _Request:
-    """What the policy reads of a request: statistics and draft rounds (an accepted half of each draft)."""
+    """What the policy reads of a request: its drafter drafts' record (2 of each draft of 5 accepted)."""
 
     def __init__(self) -> None:
-        from types import SimpleNamespace
-
-        self.stats = SimpleNamespace(accepted_tokens=10, drafted_tokens=25)
-        self.drafts = 5
+        self.stats = Stats(drafter_drafts=5, drafter_drafted_tokens=25, drafter_accepted_tokens=10)
 
 
 def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_drafting():
