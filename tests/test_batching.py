@@ -259,6 +259,18 @@ def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear(
     assert dear.choose({request: 0 for request in requests}) is None  # nobody drafts: nothing to choose
 
 
+def test_a_step_that_feeds_a_prompt_prices_nothing(engine):
+    """A request that starts at once feeds its prompt in its first step's passes: priced as a step of 1 + k tokens,
+    such a step read as a pass dear per token and held a lone request at k = 0."""
+    decoder = engine.decoder(load_adaptive=True)
+    decoder.add(engine.request(PROMPTS[2], {"max_new_tokens": 6}, speculation={"algorithm": "slem",
+                                                                                "load_adaptive": True}))
+    decoder.step()
+    assert decoder.adaptive.target_passes == [] and not decoder.adaptive.drafter_passes
+    decoder.step()
+    assert len(decoder.adaptive.target_passes) == 1
+
+
 def test_the_drafter_price_follows_its_passes_medians_not_its_first_call():
     policy = LoadAdaptive()
     policy.record_drafter(1, 2, 0.30)  # the first draft also fed the prompt (prefill deferred to it): 0.15 s a pass
