@@ -142,9 +142,21 @@ def test_serve_config_mirrors_the_deployments_file(name):
 
 
 def test_sync_is_a_no_op_on_the_committed_manifests():
-    for name, source in sync.MIRRORS.items():
-        text = (KUBERAY / name).read_text()
-        assert sync.with_serve_config(text, sync.expected_serve_config(name), source) == text
+    for name in sync.MIRRORS:
+        assert sync.synced(name) == (KUBERAY / name).read_text(), (
+            f"{name} drifted from its sources: run python cluster/kuberay/sync_serve_config.py")
+
+
+def test_sync_writes_the_pods_environment_from_deployments_cpu_env():
+    text = (KUBERAY / "rayservice.cpu.yaml").read_text()
+    changed = sync.with_env(text, {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "2.0", "NEW_ONE": 'a "b"'},
+                            "deployments/cpu.env")
+    cluster = yaml.safe_load(changed)["spec"]["rayClusterConfig"]
+    for group in (cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]):
+        env = {variable["name"]: variable.get("value") for variable in _container(group)["env"]}
+        assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "2.0" and env["NEW_ONE"] == 'a "b"'
+        assert "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS" not in env, "a variable the file dropped leaves the pods"
+        assert env["HF_HUB_OFFLINE"] == "1" and (group is cluster["headGroupSpec"] or "HETSPEC_API_KEY" in env)
 
 
 # ---- negative cases: the validator must catch typos and wrong types ----------------------------------
