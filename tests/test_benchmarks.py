@@ -357,3 +357,16 @@ def test_cpu_by_process_groups_the_cpu_time_spent_between_snapshots():
     assert spent["cpu_seconds"] == 7.51 and abs(spent["busy_share"] - 7.51 / (4.0 * cores)) < 1e-3
     assert list(spent["groups"]) == ["ray::TargetWorker", "ray::DrafterWorker", "ray::ServeReplica:hetspec:Coordinator"]
     assert spent["groups"]["ray::TargetWorker"] == {"cpu_seconds": 6.0, "share": round(6.0 / (4.0 * cores), 4)}
+
+
+def test_batch_split_prices_both_prefills_and_decoding_on_the_small_target(capsys):
+    from benchmarks import batch_split
+
+    threads = torch.get_num_threads()
+    try:
+        batch_split.main(["--model", "gemma3-270m", "--batch", "2", "--steps", "2", "--rounds", "1", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)  # load_model set it process-wide
+    printed = capsys.readouterr().out
+    assert "transformers padded prefill" in printed and "decoding pass" in printed
+    assert "hetspec packed prefill" in printed and "hetspec one prompt a pass" in printed
