@@ -263,12 +263,17 @@ def test_a_step_that_feeds_a_prompt_prices_nothing(engine):
     """A request that starts at once feeds its prompt in its first step's passes: priced as a step of 1 + k tokens,
     such a step read as a pass dear per token and held a lone request at k = 0."""
     decoder = engine.decoder(load_adaptive=True)
-    decoder.add(engine.request(PROMPTS[2], {"max_new_tokens": 6}, speculation={"algorithm": "slem",
-                                                                                "load_adaptive": True}))
-    decoder.step()
-    assert decoder.adaptive.target_passes == [] and not decoder.adaptive.drafter_passes
-    decoder.step()
-    assert len(decoder.adaptive.target_passes) == 1
+    request = engine.request(PROMPTS[2], {"max_new_tokens": 6},
+                             speculation={"algorithm": "slem", "load_adaptive": True})
+    decoder.add(request)
+    try:
+        decoder.step()
+        assert decoder.adaptive.target_passes == [] and not decoder.adaptive.drafter_passes
+        decoder.step()
+        assert len(decoder.adaptive.target_passes) == 1
+    finally:
+        decoder.cancel(request)  # its KV rows: the models are shared by the whole session's tests
+    assert engine.target.kv_pool.taken == set() and engine.drafter.kv_pool.taken == set()
 
 
 def test_the_drafter_price_follows_its_passes_medians_not_its_first_call():
