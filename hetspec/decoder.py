@@ -271,7 +271,8 @@ class BatchDecoder:
         running = list(self.running)
         # a request that started at once feeds its prompt in its first step's passes: that step prices the prompt,
         # not k (priced, a first step of 1.5 s for "1 token" held a lone request at k = 0 for 20 of its 44 steps)
-        priced = not (target_chunks or drafter_chunks) and all(request.prefilled for request in running)
+        priced = self.adaptive is not None and not (target_chunks or drafter_chunks) and all(
+            request.prefilled for request in running)
         cap = self.adaptive.choose({request: request.draft_length(request.drafter is not None) for request in running}) \
             if self.adaptive else None
         lookups = [request.lookup_draft(request.target.ids, request.drafter is not None) for request in running]
@@ -292,7 +293,7 @@ class BatchDecoder:
         committed = run_lockstep(self.target, [request.verify(draft) for request, draft in zip(running, drafts)]
                                  + target_chunks)[:len(running)]
         target_seconds = time.perf_counter() - tick
-        if self.adaptive and priced:
+        if priced:
             self.adaptive.record(drafts, lengths, drafter_seconds, target_seconds)
         events = []
         for index, (request, draft, new_ids) in enumerate(zip(running, drafts, committed)):
