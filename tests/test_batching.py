@@ -13,8 +13,6 @@ difference fails. The count of such ties is printed (``-s``) and bounded.
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -24,7 +22,7 @@ from hetspec.adaptive import EXPLORE, EXPLORE_MAX, LoadAdaptive, acceptance
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
 from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
-from hetspec.lookup import SourceTally
+from hetspec.output import Stats
 
 TIE_MARGIN = 1e-4
 
@@ -227,8 +225,7 @@ class _Waiting:
     """What the load-adaptive policy reads of a request: its statistics and draft rounds."""
 
     def __init__(self, accepted: int, drafted: int, drafts: int, own_k: int = 5):
-        tally = SourceTally(drafts, drafted, accepted)
-        self.stats = SimpleNamespace(tally=lambda source: tally if source == "drafter" else SourceTally())
+        self.stats = Stats(drafter_drafts=drafts, drafter_drafted_tokens=drafted, drafter_accepted_tokens=accepted)
         self.own_k = own_k
 
 

@@ -89,6 +89,11 @@ def _container(group: dict) -> dict:
     return container
 
 
+def _env(group: dict) -> dict[str, str | None]:
+    """The group's container's variables: name -> value (None for one taken from a secret)."""
+    return {variable["name"]: variable.get("value") for variable in _container(group)["env"]}
+
+
 def _cpu_quantity(value) -> float:
     text = str(value)
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
@@ -153,7 +158,7 @@ def test_sync_writes_the_pods_environment_from_deployments_cpu_env():
                             "deployments/cpu.env")
     cluster = yaml.safe_load(changed)["spec"]["rayClusterConfig"]
     for group in (cluster["headGroupSpec"], cluster["workerGroupSpecs"][0]):
-        env = {variable["name"]: variable.get("value") for variable in _container(group)["env"]}
+        env = _env(group)
         assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "2.0" and env["NEW_ONE"] == 'a "b"'
         assert "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS" not in env, "a variable the file dropped leaves the pods"
         assert env["HF_HUB_OFFLINE"] == "1" and (group is cluster["headGroupSpec"] or "HETSPEC_API_KEY" in env)
@@ -301,8 +306,7 @@ def test_cpu_manifest_runs_one_pipeline_offline_on_its_worker():
     (worker,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     container = _container(worker)
     assert "nvidia.com/gpu" not in str(container["resources"])
-    env = {variable["name"]: variable.get("value") for variable in container["env"]}
-    assert env["HF_HUB_OFFLINE"] == "1"
+    assert _env(worker)["HF_HUB_OFFLINE"] == "1"
     args = _app_args(service)
     assert args["pipeline"]["placement_strategy"] == "PACK"
     needed_cpus = sum(args[f"{role}_resources"]["num_cpus"] for role in ("coordinator", "drafter", "target"))
@@ -316,8 +320,9 @@ def test_both_pods_of_the_cpu_manifest_carry_deployments_cpu_env(pod):
 
     cluster = _rayservice("rayservice.cpu.yaml")["spec"]["rayClusterConfig"]
     group = cluster["headGroupSpec"] if pod == "head" else cluster["workerGroupSpecs"][0]
-    env = {variable["name"]: variable.get("value") for variable in _container(group)["env"]}
+    env = _env(group)
     assert {name: env.get(name) for name in cpu_env()} == cpu_env()
+
 
 # ---- Dockerfile -------------------------------------------------------------------------------------------
 
