@@ -1,47 +1,92 @@
 """The library's load-adaptive draft length (``hetspec.adaptive.LoadAdaptive``) for one replica's requests.
 
-In process, one ``BatchDecoder`` step chooses the draft length of every request of the step at once. A replica's
-requests run their steps on their own tasks, kept in step by ``StepBatches`` (deployments/pipeline.py), so here
-the steps are counted in rounds: a request asking again starts a new round, whose cap is chosen over the
-replica's running requests as they stand then, and every request asking within the round gets that cap (the
-policy's probes and its exploring steps then count steps, as in process, not requests). The policy is
-the library's, unchanged. The prices: the target's from its own passes (``VerifyResult.passes``: each pass without a
-prompt's chunk, timed around the pass), not from the ``verify_many`` calls, whose time also holds a pass they
-shared with a prompt's chunk or waited for; the drafter's likewise from its passes (``Draft.passes``), not from the
-``draft_many`` calls, whose time also holds the chunks of a context the drafter catches up.
+In process, one ``BatchDecoder`` step chooses the draft length of every request of the step at once and is timed
+whole. A replica's requests run their steps on their own tasks, kept in step by ``StepBatches``
+(deployments/pipeline.py), so here the steps are counted in rounds: a request asking again starts a new round,
+whose cap is chosen over the replica's running requests as they stand then, and every request asking within the
+round gets that cap (the policy's probes and its exploring steps then count steps, as in process, not requests).
+A round is measured as a step is: its seconds run from its start to the next round's (both models' calls and the
+coordinator's turn between them), its tokens are what its requests committed in the steps they took at its cap
+(each reports them when it asks again, or leaves). The policy is the library's, unchanged. A round is left out of
+the measure, as a step feeding a prompt is in process, when a request joined in it or one of its calls fed a
+prompt's chunk (a target prompt sent a chunk per verify call, a drafter catching a context up): it priced that.
 It changes which tokens are drafted, never which are output.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from hetspec.adaptive import LoadAdaptive
 
-from deployments.workers import VerifyResult
+
+class _Round:
+    def __init__(self, cap: int | None, started: float) -> None:
+        self.cap = cap
+        self.started = started
+        self.seconds: float | None = None  # set when the next round starts
+        self.asked: dict[int, int] = {}  # request id -> its position when it asked, until it reports its tokens
+        self.askers = 0  # requests that took this round's cap
+        self.tokens = 0  # committed by the requests that asked, as they report
+        self.priced = cap is not None
+
+    def report(self, progress: Any) -> None:
+        """``progress`` took its step of this round: its committed tokens count, once."""
+        position = self.asked.pop(id(progress), None)
+        if position is not None:
+            self.tokens += progress.position - position
 
 
 class ReplicaLoadAdaptive:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.policy = LoadAdaptive()
+        self.clock = clock
         self.running: dict[Any, Callable[[], int]] = {}  # a request's Progress -> its own draft length now
-        self.asked: set[int] = set()  # requests that took this round's cap
-        self.round_cap: int | None = None
+        self.round: _Round | None = None  # the round now
+        self.last: _Round | None = None  # the one before, until its requests have reported their tokens
+
+    @property
+    def round_cap(self) -> int | None:
+        return self.round.cap if self.round is not None else None
 
     def join(self, progress: Any, own_length: Callable[[], int]) -> None:
         self.running[progress] = own_length
+        if self.round is not None:  # the round's rows changed under it
+            self.round.priced = False
 
     def leave(self, progress: Any) -> None:
         self.running.pop(progress, None)
-        self.asked.discard(id(progress))
+        for step_round in (self.last, self.round):
+            if step_round is not None:
+                step_round.report(progress)
+        self._record_last()
+        if not self.running:
+            self.round = None
 
     def cap(self, progress: Any) -> int | None:
         """The cap on ``progress``'s draft length this step (None: its own): this round's, or a new round's."""
-        if not self.asked or id(progress) in self.asked:
-            self.asked.clear()
-            self.round_cap = self.policy.choose({request: own_length() for request, own_length in self.running.items()})
-        self.asked.add(id(progress))
-        return self.round_cap
+        if self.round is None or id(progress) in self.round.asked:
+            now = self.clock()
+            if self.round is not None:
+                self.round.seconds = now - self.round.started
+            self.last = self.round  # a round before it still waiting for a request's tokens is left out
+            self.round = _Round(self.policy.choose(
+                {request: own_length() for request, own_length in self.running.items()}), now)
+        if self.last is not None:
+            self.last.report(progress)
+            self._record_last()
+        self.round.asked[id(progress)] = progress.position
+        self.round.askers += 1
+        return self.round.cap
+
+    def _record_last(self) -> None:
+        last = self.last
+        if last is None or last.seconds is None or last.asked:
+            return
+        if last.priced:
+            self.policy.record(last.askers, last.cap, last.tokens, last.seconds)
+        self.last = None
 
     def drafting(self) -> bool:
         """False while requests run and this round's cap is 0: a request joining now will likely draft nothing
@@ -49,15 +94,9 @@ class ReplicaLoadAdaptive:
         return not (self.running and self.round_cap == 0)
 
     def on_batch(self, method: str, items: list[tuple], outcomes: list[Any]) -> None:
-        """A batched call came back (``StepBatches``): its items and per item the result or exception."""
-        done = [(item, outcome) for item, outcome in zip(items, outcomes) if not isinstance(outcome, BaseException)]
-        if not done:
-            return
-        if method == "verify_many":  # outcomes: VerifyResult (the first with the target's passes since the last
-            # call), or a count of prompt tokens for an item that fed a prompt's chunk
-            first = next((outcome for _, outcome in done if isinstance(outcome, VerifyResult)), None)
-            for rows, tokens, seconds in first.passes if first is not None else ():
-                self.policy.record_target(rows, tokens, seconds)
-        elif method == "draft_many":  # outcomes: Draft, the first with the drafter's passes since the last call
-            for rows, _, seconds in done[0][1].passes:
-                self.policy.record_drafter(rows, 1, seconds)
+        """A batched call came back (``StepBatches``): a round whose call fed a prompt's chunk is not measured.
+        ``verify_many`` answers an item that fed a chunk of its prompt with the prompt tokens left (an int);
+        ``VerifyResult.fed_prompt`` and ``Draft.fed_prompt`` say a pass of the call fed one."""
+        if self.round is not None and any(isinstance(outcome, int) or getattr(outcome, "fed_prompt", False)
+                                          for outcome in outcomes):
+            self.round.priced = False

@@ -26,9 +26,8 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -75,9 +74,9 @@ class VerifyResult:
     new_ids: list[int]  # accepted candidates and the target's own next token
     seconds: float = 0.0  # time inside the target
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked for them
-    # the target's step passes since the previous verify_many returned: (rows, tokens fed, seconds) each, for the
-    # load-adaptive price fit (deployments/load_adaptive.py); on the first result of a call, empty on the others
-    passes: list[tuple[int, int, float]] = field(default_factory=list)
+    # a pass since the previous verify_many returned fed a prompt's chunk: the load-adaptive policy leaves its step
+    # out of the measure (deployments/load_adaptive.py)
+    fed_prompt: bool = False
     rows: int = 1  # requests fed by the pass that verified it (its batch)
 
 
@@ -108,11 +107,9 @@ class _Worker:
         self.model_threads = ModelThreads(
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
             at_other_model=(lambda: self.sessions.elsewhere(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
-        # The load-adaptive prices (deployments/load_adaptive.py) come from passes, not calls: a call's time also
-        # holds the passes it waited for, a pass it shared with a prompt's chunk (a pass ~8x dearer), and a draft's
-        # catch-up of a context; priced from those, the policy misread the cost of drafting
-        self._step_passes: deque[tuple[int, int, float]] = deque(maxlen=64)
-        self._step_passes_guard = threading.Lock()
+        # whether a pass fed a prompt's chunk (a pass ~8x dearer) since the last call: the load-adaptive policy
+        # (deployments/load_adaptive.py) measures steps, and such a step priced the prompt, not the draft length
+        self._fed_prompt = False
         self.model = self.model_threads.run(_load, model)[0]
         self.passes = SharedPasses(self.model, execute=self.model_threads.run, on_pass=self._record_pass)
         self.prefill_chunk_tokens = pipeline.prefill_chunk_tokens
@@ -170,16 +167,12 @@ class _Worker:
     def _record_pass(self, record: PassRecord) -> None:
         self._metrics.passes.inc(tags=self._tags)
         self._metrics.pass_rows.observe(record.rows, tags={"role": self.role})
-        if not record.prompt_chunk:  # a step's pass: what a draft length choice changes
-            with self._step_passes_guard:
-                self._step_passes.append((record.rows, record.tokens, record.seconds))
+        self._fed_prompt |= record.prompt_chunk
 
-    def _drain_step_passes(self) -> list[tuple[int, int, float]]:
-        """This model's passes without a prompt's chunk since the last drain: (rows, tokens fed, seconds) each."""
-        with self._step_passes_guard:
-            passes = list(self._step_passes)
-            self._step_passes.clear()
-        return passes
+    def _drain_fed_prompt(self) -> bool:
+        """Whether a pass fed a prompt's chunk since the last drain."""
+        fed_prompt, self._fed_prompt = self._fed_prompt, False
+        return fed_prompt
 
     def close(self, request_id: str) -> bool:
         closed = self.sessions.close(request_id)
@@ -266,12 +259,12 @@ class DrafterWorker(_Worker):
                                                        draft_round))
 
         outcomes, seconds = self._run_for([(item[0], item[1:]) for item in items], draft)
-        passes = self._drain_step_passes()
+        fed_prompt = self._drain_fed_prompt()
         for outcome in outcomes:
             if isinstance(outcome, Draft):
                 if outcome.draft_probs is not None:  # [k, target_vocab] travels by reference to the target
                     outcome.draft_probs = self.store(outcome.draft_probs)
-                outcome.seconds, outcome.passes, passes = seconds, passes, []
+                outcome.seconds, outcome.fed_prompt = seconds, fed_prompt
         return outcomes
 
 
@@ -315,12 +308,9 @@ class TargetWorker(_Worker):
             return VerifyResult(new_ids, logprobs=session.side.step_logprobs, rows=self.passes.last_rows)
 
         outcomes, seconds = self._run_for([(request_id, (draft,)) for request_id, draft in items], verify)
-        passes = self._drain_step_passes()
-        results = []
-        for outcome in outcomes:
-            if isinstance(outcome, VerifyResult):
-                outcome, passes = replace(outcome, seconds=seconds, passes=passes), []
-            results.append(outcome)
+        fed_prompt = self._drain_fed_prompt()
+        results = [replace(outcome, seconds=seconds, fed_prompt=fed_prompt) if isinstance(outcome, VerifyResult)
+                   else outcome for outcome in outcomes]
         if any(draft is None for _, draft in items):
             self._publish()
         return results

@@ -51,7 +51,8 @@ def _generate_parser(sub) -> None:
         "prints one JSON result per line, in order"))
     parser.add_argument("--batch-size", type=int, default=8, help="most prompts decoded together (--prompts-file)")
     parser.add_argument("--load-adaptive", action="store_true",
-                        help="choose each step's draft length (0: plain batched decoding) from measured costs")
+                        help="each step, draft or not (plain batched decoding), whichever has committed more "
+                             "tokens a second at the batch size")
     parser.add_argument("--lookup", choices=["off", "auto", "always"], default="off", help=(
         "context lookup drafts: text that followed an earlier occurrence of the text's end, no drafter pass "
         "(auto: when its measured acceptance holds up against the drafter's; always: whenever it proposes enough)"))

@@ -110,8 +110,8 @@ class SpeculationConfig(StrictModel):
     alignment_window: int = Field(8, ge=1, le=256, description=(
         "Committed tokens re-tokenized together with new text (a bounded window, never the whole context)."))
     load_adaptive: bool = Field(False, description=(
-        "Choose each step's draft length (down to 0: plain batched decoding) from the measured pass costs of "
-        "both models at the current batch size and the requests' measured acceptance (docs/batching.md)."))
+        "Each step, draft (the requests' own length) or not (plain batched decoding), whichever has committed "
+        "more tokens per second at the current batch size, as measured (docs/batching.md)."))
     lookup: Literal["off", "auto", "always"] = Field("off", description=(
         "Context lookup drafts (hetspec/lookup.py; prompt lookup decoding, Saxena 2023): the longest suffix of the "
         "request's text (prompt and output, as bytes) that occurred before proposes the text that followed it, "

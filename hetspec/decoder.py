@@ -267,14 +267,15 @@ class BatchDecoder:
             self.running, self.joining = self.joining, []
         if not self.running:
             return []
+        started = time.perf_counter()
         target_chunks, drafter_chunks = self._prompt_chunks()
         running = list(self.running)
-        # a request that started at once feeds its prompt in its first step's passes: that step prices the prompt,
-        # not k (priced, a first step of 1.5 s for "1 token" held a lone request at k = 0 for 20 of its 44 steps)
-        priced = self.adaptive is not None and not (target_chunks or drafter_chunks) and all(
-            request.prefilled for request in running)
         cap = self.adaptive.choose({request: request.draft_length(request.drafter is not None) for request in running}) \
             if self.adaptive else None
+        # a request that started at once feeds its prompt in its first step's passes: that step prices the prompt,
+        # not k (priced, a first step of 1.5 s for "1 token" held a lone request at k = 0 for 20 of its 44 steps)
+        priced = cap is not None and not (target_chunks or drafter_chunks) and all(
+            request.prefilled for request in running)
         lookups = [request.lookup_draft(request.target.ids, request.drafter is not None) for request in running]
         # a request with a lookup draft asks nothing of the drafter this step
         lengths = [0 if lookup else request.draft_length(request.drafter is not None, cap)
@@ -293,8 +294,6 @@ class BatchDecoder:
         committed = run_lockstep(self.target, [request.verify(draft) for request, draft in zip(running, drafts)]
                                  + target_chunks)[:len(running)]
         target_seconds = time.perf_counter() - tick
-        if priced:
-            self.adaptive.record(drafts, lengths, drafter_seconds, target_seconds)
         events = []
         for index, (request, draft, new_ids) in enumerate(zip(running, drafts, committed)):
             request.stats.drafter_seconds += drafter_seconds if index in drafting else 0.0
@@ -307,6 +306,8 @@ class BatchDecoder:
             if request.finished:
                 self.running.remove(request)
                 request.release()
+        if priced:
+            self.adaptive.record(len(running), cap, sum(map(len, committed)), time.perf_counter() - started)
         return events
 
     def _prompt_chunks(self) -> tuple[list[Steps], list[Steps]]:

@@ -25,7 +25,6 @@ last session closes. Memory per token: ``bytes_per_token``; per request: ``KVSes
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -270,8 +269,6 @@ class PassRecord:
     """One batched pass, as ``_Lockstep`` reports it (its ``on_pass``)."""
 
     rows: int  # feeds
-    tokens: int  # tokens fed, over all feeds
-    seconds: float
     prompt_chunk: bool  # a feed above LONG_ABOVE_TOKENS (a prompt's chunk) was in it
 
 
@@ -321,7 +318,6 @@ class _Lockstep:
         feeds = [self.waiting[key][1] for key in keys]
         self.passes += 1
         self.rows += len(keys)
-        tick = time.perf_counter()
         try:
             all_logits = forward(self.language_model, feeds)
         except Exception as error:
@@ -329,8 +325,7 @@ class _Lockstep:
                 self.waiting.pop(key)[0].close()
                 done(key, None, error)
             return
-        self.on_pass(PassRecord(len(feeds), sum(len(feed.token_ids) for feed in feeds), time.perf_counter() - tick,
-                                first_long is not None))
+        self.on_pass(PassRecord(len(feeds), first_long is not None))
         self.last_rows = len(feeds)
         for key, logits in zip(keys, all_logits):
             self.advance(key, self.waiting[key][0], logits, done)

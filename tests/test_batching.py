@@ -18,11 +18,10 @@ import torch
 
 from synthetic import drafter_tokenizer, language_model, target_tokenizer
 from hetspec import Engine, SamplingParams, SpeculationConfig
-from hetspec.adaptive import EXPLORE, EXPLORE_MAX, LoadAdaptive, acceptance
+from hetspec.adaptive import EXPLORE, EXPLORE_MAX, MIN_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
 from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
-from hetspec.output import Stats
 
 TIE_MARGIN = 1e-4
 
@@ -221,83 +220,97 @@ def test_batched_sampling_equals_batch_one_seed_for_seed_on_synthetic_models():
         assert batched[0].stats.mean_batch_size > 4
 
 
-class _Waiting:
-    """What the load-adaptive policy reads of a request: its statistics and draft rounds."""
-
-    def __init__(self, accepted: int, drafted: int, drafts: int, own_k: int = 5):
-        self.stats = Stats(drafter_drafts=drafts, drafter_drafted_tokens=drafted, drafter_accepted_tokens=accepted)
-        self.own_k = own_k
+def _measured(policy: LoadAdaptive, rows: int, k: int, per_row: float, seconds: float, steps: int = 4) -> None:
+    """``steps`` steps at ``rows`` requests and cap ``k``, each committing ``per_row`` tokens a row in ``seconds``."""
+    for _ in range(steps):
+        policy.record(rows, k, round(rows * per_row), seconds)
 
 
-def test_acceptance_inverts_the_expected_accepted_tokens_with_one_pseudo_draft_at_one_half():
-    alpha = acceptance(accepted=10, drafted=25, drafts=5)  # 2 accepted per draft of 5, and a pseudo-draft
-    prior = sum(0.5 ** index for index in range(1, 6))
-    assert sum(alpha ** index for index in range(1, 6)) == pytest.approx((10 + prior) / 6, abs=1e-6)
-    assert acceptance(0, 0, 0) == 0.5 and acceptance(2500, 2500, 500) > 0.99 and acceptance(0, 2500, 500) < 0.01
-
-
-def test_one_rejected_draft_does_not_stop_a_request_drafting():
-    """Read alone, a first draft of 5 rejected made alpha 0 and k = 0 until the next exploring step."""
-    assert 0.2 < acceptance(0, 5, 1) < 0.5
+def test_load_adaptive_drafts_where_drafting_committed_more_a_second_and_not_where_less():
+    """One client on the 2-core CPU (float32): a drafting step commits ~2.2 tokens in 0.42 s, a plain one 1 in 0.25 s;
+    at 8 clients the drafting step widens 8 rows (1.7 s) against a plain pass of 0.45 s."""
     policy = LoadAdaptive()
-    policy.target_cost, policy.drafter_cost = (0.27, 0.014), (0.022, 0.0)  # one client on the 2-core CPU (f32)
-    unlucky = _Waiting(accepted=0, drafted=5, drafts=1)
-    assert policy.choose({unlucky: 5}) > 0
+    _measured(policy, 1, 5, 2.25, 0.42)
+    _measured(policy, 1, 0, 1, 0.25)
+    _measured(policy, 8, 5, 2.25, 1.7)
+    _measured(policy, 8, 0, 1, 0.45)
+    one, eight = {"a": 5}, {index: 5 for index in range(8)}
+    per_row = (4 * 2 + 4 * 18 + PRIOR_ROWS * PRIOR_TOKENS) / (4 + 4 * 8 + PRIOR_ROWS)  # every batch size's, a prior
+    assert policy.rate(1, True) == pytest.approx(per_row / 0.42) and policy.rate(8, False) == pytest.approx(8 / 0.45)
+    assert policy.choose(one) == 5 and policy.choose(eight) == 0
+    assert policy.choose({request: 0 for request in eight}) is None, "nobody drafts: nothing to choose"
+    assert policy.chosen == [(1, 5), (8, 0)]
 
 
-def test_load_adaptive_drafts_when_a_wide_pass_is_cheap_and_not_when_it_is_dear():
-    requests = [_Waiting(accepted=10, drafted=25, drafts=5) for _ in range(8)]
-    cheap, dear = LoadAdaptive(), LoadAdaptive()
-    cheap.target_cost, cheap.drafter_cost = (0.6, 0.01), (0.03, 0.002)  # memory-bound: 48 tokens ~ 1.8x one
-    dear.target_cost, dear.drafter_cost = (0.1, 0.13), (0.03, 0.002)  # compute-bound (bf16 on an AVX2 CPU)
-    own = {request: request.own_k for request in requests}
-    assert 2 <= cheap.choose(own) <= 5  # the expected-throughput optimum, not the largest k
-    assert dear.choose(own) == 0
-    assert dear.choose({request: 0 for request in requests}) is None  # nobody drafts: nothing to choose
+def test_acceptance_measured_at_one_batch_size_prices_drafting_at_another():
+    """Tokens committed a row come from every batch size (acceptance does not depend on the batch), seconds from
+    the batch size's own steps: a batch size drafting rarely is priced with what the others accepted."""
+    policy = LoadAdaptive()
+    _measured(policy, 1, 5, 3.0, 0.4, steps=60)  # one client: long accepted runs
+    _measured(policy, 4, 5, 1.0, 0.6, steps=2)  # four clients: two exploring steps with nothing accepted
+    _measured(policy, 4, 0, 1.0, 0.3, steps=2)
+    assert policy.rate(4, True) > policy.rate(4, False)
+    assert policy.choose({index: 5 for index in range(4)}) == 5
+
+
+def test_load_adaptive_times_each_choice_before_choosing():
+    policy = LoadAdaptive()
+    two = {"a": 5, "b": 3}
+    choices = []
+    for _ in range(2 * MIN_STEPS):
+        choices.append(policy.choose(two))
+        policy.record(2, choices[-1], 2, 0.3)
+    assert choices == [5, 0] * MIN_STEPS, "they alternate, drafting at the largest own k"
+
+
+def test_a_batch_size_not_timed_is_priced_between_the_nearest_timed():
+    """Timed again at each batch size, a batch finishing one request at a time probed drafting at 7, 6, ... rows."""
+    policy = LoadAdaptive()
+    _measured(policy, 1, 0, 1.0, 0.25)
+    _measured(policy, 8, 0, 1.0, 0.45)
+    _measured(policy, 8, 5, 1.0, 1.7)
+    assert policy.step_seconds(4, False) == pytest.approx(0.25 + 0.2 * 3 / 7)
+    assert policy.step_seconds(12, False) == policy.step_seconds(8, False) == pytest.approx(0.45)
+    assert policy.step_seconds(3, True) == pytest.approx(1.7), "the nearest timed beyond"
+    assert policy.choose({index: 5 for index in range(7)}) == 0, "no probe at 7 rows"
+
+
+def test_load_adaptive_explores_less_while_its_choice_holds_and_often_again_once_it_moves():
+    requests = {index: 5 for index in range(8)}
+    policy = LoadAdaptive()
+    _measured(policy, 8, 5, 1.5, 1.7)  # no draft pays
+    _measured(policy, 8, 0, 1.0, 0.45)
+    choices = [policy.choose(requests) for _ in range(EXPLORE * 2 ** 6)]
+    exploring = [step for step, k in enumerate(choices) if k]
+    assert set(choices) == {0, 5}, "k = 0 chosen, the requests' own k = 5 on exploring steps"
+    gaps = [later - earlier for earlier, later in zip(exploring, exploring[1:])]
+    assert exploring[0] == EXPLORE - 1 and gaps[:4] == [2 * EXPLORE, 4 * EXPLORE, 8 * EXPLORE, 16 * EXPLORE]
+    assert max(gaps) == EXPLORE_MAX, "the interval stops growing"
+    _measured(policy, 8, 5, 1.5, 0.5, steps=SECONDS_KEPT)  # drafting became cheap (the batch moved onto a GPU)
+    after = [policy.choose(requests) for _ in range(EXPLORE + 1)]
+    assert after[0] == 5 and 0 in after, "the choice moved: the next exploring step within EXPLORE steps"
 
 
 def test_a_step_that_feeds_a_prompt_prices_nothing(engine):
-    """A request that starts at once feeds its prompt in its first step's passes: priced as a step of 1 + k tokens,
-    such a step read as a pass dear per token and held a lone request at k = 0."""
+    """A request that starts at once feeds its prompt in its first step's passes: measured as a step of 1 + k
+    tokens, such a step read as dear and held a lone request at k = 0."""
     decoder = engine.decoder(load_adaptive=True)
     request = engine.request(PROMPTS[2], {"max_new_tokens": 6},
                              speculation={"algorithm": "slem", "load_adaptive": True})
     decoder.add(request)
     try:
         decoder.step()
-        assert decoder.adaptive.target_passes == [] and not decoder.adaptive.drafter_passes
+        assert decoder.adaptive.seconds == {}
+        first = request.position
         decoder.step()
-        assert len(decoder.adaptive.target_passes) == 1
+        assert sum(map(len, decoder.adaptive.seconds.values())) == 1
+        [(rows, k)] = decoder.adaptive.chosen[1:]
+        [[seconds]] = decoder.adaptive.seconds.values()
+        assert decoder.adaptive.seconds == {(1, k > 0): decoder.adaptive.seconds[1, k > 0]} and seconds > 0
+        assert list(decoder.adaptive.committed[k > 0]) == [(request.position - first, 1)], "the second step's tokens"
     finally:
         decoder.cancel(request)  # its KV rows: the models are shared by the whole session's tests
     assert engine.target.kv_pool.taken == set() and engine.drafter.kv_pool.taken == set()
-
-
-def test_the_drafter_price_follows_its_passes_medians_not_its_first_call():
-    policy = LoadAdaptive()
-    policy.record_drafter(1, 2, 0.30)  # the first draft also fed the prompt (prefill deferred to it): 0.15 s a pass
-    for _ in range(5):
-        policy.record_drafter(1, 3, 0.105)  # then 0.035 s a pass, one request drafting (one client)
-    assert policy.drafter_cost == pytest.approx((0.035, 0.0))
-    for seconds in (0.15, 0.15, 0.9, 0.15):  # four rows drafting: 0.05 s a pass, one call catching a context up
-        policy.record_drafter(4, 3, seconds)
-    assert policy.drafter_cost == pytest.approx((0.03, 0.005))  # through each width's median
-
-
-def test_load_adaptive_explores_less_while_its_choice_holds_and_often_again_once_it_moves():
-    requests = [_Waiting(accepted=10, drafted=25, drafts=5) for _ in range(8)]
-    own = {request: request.own_k for request in requests}
-    policy = LoadAdaptive()
-    policy.target_cost, policy.drafter_cost = (0.1, 0.13), (0.03, 0.002)  # no draft pays
-    choices = [policy.choose(own) for _ in range(EXPLORE * 2 ** 6)]
-    exploring = [step for step, k in enumerate(choices) if k]
-    assert set(choices) == {0, 5}, "k = 0 chosen, the requests' own k = 5 on exploring steps"
-    gaps = [later - earlier for earlier, later in zip(exploring, exploring[1:])]
-    assert exploring[0] == EXPLORE - 1 and gaps[:4] == [2 * EXPLORE, 4 * EXPLORE, 8 * EXPLORE, 16 * EXPLORE]
-    assert max(gaps) == EXPLORE_MAX, "the interval stops growing"
-    policy.target_cost = (0.6, 0.01)  # a wide pass became cheap (say, the batch shrank onto a GPU's free width)
-    after = [policy.choose(own) for _ in range(EXPLORE + 1)]
-    assert 2 <= after[0] <= 4 and 5 in after, "the choice moved: the next exploring step within EXPLORE steps"
 
 
 def _greedy(model, prompt_ids: list[int], new_tokens: int, fail_after: int | None = None):

@@ -4,12 +4,12 @@ chosen over the replica's running requests, and lossless (a coordinator on real 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 import pytest
 
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import Draft
-from hetspec.output import Stats
 
 from deployments.load_adaptive import ReplicaLoadAdaptive
 from deployments.workers import VerifyResult
@@ -21,44 +21,77 @@ NEW_TOKENS = 14
 
 
 class _Request:
-    """What the policy reads of a request: its drafter drafts' record (2 of each draft of 5 accepted)."""
+    """What the replica's policy reads of a request: its committed position."""
 
     def __init__(self) -> None:
-        self.stats = Stats(drafter_drafts=5, drafter_drafted_tokens=25, drafter_accepted_tokens=10)
+        self.position = 0
 
 
-def test_costs_are_measured_from_the_batched_calls_and_a_dear_wide_pass_stops_drafting():
-    adaptive = ReplicaLoadAdaptive()
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rounds_are_measured_whole_and_a_round_that_fed_a_prompt_is_left_out():
+    clock = _Clock()
+    adaptive = ReplicaLoadAdaptive(clock)
+    requests = [_Request() for _ in range(4)]
+    for request in requests:
+        adaptive.join(request, lambda: 5)
+    assert adaptive.drafting(), "no round chosen yet"
+
+    def round_of(seconds: float, committed: int, outcomes: tuple = ()) -> int:
+        """Each request asks for the cap, its calls come back, it commits ``committed`` tokens; ``seconds`` pass."""
+        caps = {adaptive.cap(request) for request in requests}
+        assert len(caps) == 1, "one cap for the round of four requests, as one step in process"
+        adaptive.on_batch("verify_many", [("x", Draft())] * len(outcomes), list(outcomes))
+        for request in requests:
+            request.position += committed
+        clock.now += seconds
+        return caps.pop()
+
+    first = round_of(0.9, 3)
+    assert len(adaptive.policy.chosen) == 1
+    assert round_of(0.5, 1) == (0 if first else 5), "the first rounds alternate"
+    # the first round is measured once every request of it has asked again (its tokens reported)
+    assert adaptive.policy.seconds == {(4, first > 0): deque([0.9])}
+    assert list(adaptive.policy.committed[first > 0]) == [(12, 4)]
+    round_of(0.5, 1, (VerifyResult([1], fed_prompt=True),))  # a pass of the round fed a prompt's chunk
+    round_of(0.5, 1, (7,))  # an item fed a chunk of its prompt: 7 prompt tokens left
+    round_of(0.5, 1, (RuntimeError("failed"),))
+    round_of(0.5, 1)  # its requests' asking closes the round before: 3 of 5 measured, 2 left out
+    assert sum(map(len, adaptive.policy.seconds.values())) == 3
+    newcomer = _Request()
+    adaptive.join(newcomer, lambda: 5)  # joins in the round: its rows changed under it
+    for request in requests[1:] + [newcomer]:
+        adaptive.cap(request)
+    clock.now += 9.0
+    for request in requests[1:]:
+        adaptive.leave(request)  # their last step's tokens are reported as they leave
+    for request in (requests[0], newcomer, requests[0]):
+        adaptive.cap(request)  # two rounds on
+    assert sum(map(len, adaptive.policy.seconds.values())) == 4, "the round the newcomer joined is left out"
+    adaptive.leave(requests[0]), adaptive.leave(newcomer)
+    assert adaptive.drafting(), "nobody running: a joining request is alone and will draft"
+    assert adaptive.cap(requests[0]) is None  # nobody running
+
+
+def test_a_dear_drafting_round_stops_drafting_at_the_replica():
+    clock = _Clock()
+    adaptive = ReplicaLoadAdaptive(clock)
     requests = [_Request() for _ in range(8)]
     for request in requests:
         adaptive.join(request, lambda: 5)
-    # verify batches of 8 rows: 8 tokens fed (no drafts) cost 0.2 s, 48 tokens (k = 5) 5.4 s: compute-bound. The
-    # calls took longer (a prompt's chunk was fed meanwhile): the prices are the passes', which the first result carries
-    for drafted, seconds in ((0, 0.2), (5, 5.4), (0, 0.2), (5, 5.4)):
-        items = [(str(index), Draft(candidates=[1] * drafted)) for index in range(8)]
-        results = [VerifyResult([1], seconds + 2.5, passes=[(8, 8 * (1 + drafted), seconds)])]
-        adaptive.on_batch("verify_many", items, results + [VerifyResult([1], seconds + 2.5)] * 7)
-    for rows, seconds in ((8, 0.5), (2, 0.3)):  # draft_many of 5 positions; the call took longer (a catch-up)
-        items = [(str(index), b"", 5, 0, 0) for index in range(rows)]
-        drafts = [Draft(candidates=[1] * 5, drafter_forwards=5, seconds=seconds + 2, passes=[(rows, rows, seconds / 5)] * 5)]
-        adaptive.on_batch("draft_many", items, drafts + [Draft(candidates=[1] * 5, seconds=seconds + 2)] * (rows - 1))
-    assert adaptive.policy.target_passes == [(8, 0.2), (8, 0.2), (48, 5.4), (48, 5.4)]
-    assert adaptive.policy.target_cost[1] > 0.1
-    assert adaptive.policy.drafter_cost == pytest.approx((0.14 / 3, 0.02 / 3)), "the passes' prices, not the calls'"
-    assert adaptive.drafting(), "no round chosen yet"
+    for _ in range(8):  # drafting: 8 x 1.5 tokens in 1.7 s; plain: 8 tokens in 0.45 s
+        caps = [adaptive.cap(request) for request in requests]
+        for request in requests:
+            request.position += 2 if caps[0] else 1
+        clock.now += 1.7 if caps[0] else 0.45
     assert [adaptive.cap(request) for request in requests] == [0] * 8
     assert not adaptive.drafting(), "a request joining now leaves its drafter prefill to its first draft"
-    assert len(adaptive.policy.chosen) == 1, "one choice for the round of eight requests, as one step in process"
-    adaptive.cap(requests[0])  # asks again: a new round
-    assert len(adaptive.policy.chosen) == 2
-    adaptive.on_batch("verify_many", [("x", Draft())], [RuntimeError("failed")])  # a failed call measures nothing
-    assert len(adaptive.policy.target_passes) == 4
-    for request in requests[1:]:
-        adaptive.leave(request)
-    assert adaptive.cap(requests[0]) == 0 and len(adaptive.policy.chosen) == 3  # alone: every step is a round
-    adaptive.leave(requests[0])
-    assert adaptive.drafting(), "nobody running: a joining request is alone and will draft"
-    assert adaptive.cap(requests[0]) is None  # nobody running
 
 
 def _served(gemma, smollm, **pipeline):
@@ -93,7 +126,7 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm
                                 speculation=SpeculationConfig(algorithm="ar"))
         assert token_ids == alone.token_ids, prompt
     policy = coordinator.load_adaptive.policy
-    assert policy.target_passes and policy.chosen, "the policy was asked and measured the passes"
+    assert policy.seconds and policy.chosen, "the policy was asked and measured rounds"
     assert {k for _, k in policy.chosen} >= {0}, "it probed k = 0 (plain batched decoding)"
     assert any(stats.drafted_tokens for _, stats in served)
     # each request's statistics count the requests its verification passes fed, as the library's do (1 before)
@@ -102,9 +135,9 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not coordinator.load_adaptive.running
 
 
-def test_the_target_worker_hands_back_its_step_passes_not_a_prompt_chunks(gemma):
-    """The prices come from passes: a verify call returns the target's passes since the last call, each timed, and
-    leaves out a pass that fed a prompt's chunk (it costs what its chunk costs, not what a draft length does)."""
+def test_the_target_worker_says_when_a_pass_fed_a_prompt_chunk(gemma):
+    """A step whose passes fed a prompt's chunk prices the prompt: the verify call after such a pass says so (the
+    prefill at open here), the next one does not."""
     from deployments.config import AppConfig
     from deployments.workers import TargetWorker
 
@@ -115,10 +148,9 @@ def test_the_target_worker_hands_back_its_step_passes_not_a_prompt_chunks(gemma)
     worker.open("a", prompt_ids, "slem", SpeculationConfig(), SamplingParams(max_new_tokens=4))
     try:
         [first] = worker.verify_many([("a", Draft(candidates=[5, 6]))])
-        assert [(rows, tokens) for rows, tokens, _ in first.passes] == [(1, 3)]  # the prefill's pass left out
-        assert first.passes[0][2] > 0
+        assert first.fed_prompt
         [second] = worker.verify_many([("a", Draft())])
-        assert [(rows, tokens) for rows, tokens, _ in second.passes] == [(1, 1)]  # drained by the first call
+        assert not second.fed_prompt
     finally:
         worker.close("a")
 
@@ -211,9 +243,9 @@ def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_th
         worker.close("eager"), worker.close("lazy")
 
 
-def test_the_drafter_worker_hands_back_its_draft_passes_not_a_catch_up(gemma, smollm):
-    """The drafter's price comes from its passes too: a first draft that feeds the whole prompt (the session opened
-    without it) leaves that pass out, so a catch-up does not make drafting look dear."""
+def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(gemma, smollm):
+    """A first draft that feeds the whole prompt (the session opened without it) prices the catch-up, not the
+    draft length: it says so, the next draft does not."""
     _, _, worker = in_process_coordinator(gemma, smollm)
     prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 3)
     assert 33 < len(prompt_ids) < 128  # one feed with the draft's first pass, long enough to count as a prompt's
@@ -221,9 +253,9 @@ def test_the_drafter_worker_hands_back_its_draft_passes_not_a_catch_up(gemma, sm
     worker.open("lazy", prompt_ids, "slem", speculation, params, False)
     try:
         [draft] = worker.draft_many([("lazy", b"", 4, 0, 0)])
-        assert draft.drafter_forwards >= 2 and draft.seconds > 0
-        assert [(rows, tokens) for rows, tokens, _ in draft.passes] == [(1, 1)] * (draft.drafter_forwards - 1)
-        assert sum(seconds for _, _, seconds in draft.passes) < draft.seconds
+        assert draft.fed_prompt and draft.drafter_forwards >= 2
+        [draft] = worker.draft_many([("lazy", draft.text, 4, 4, 1)])
+        assert not draft.fed_prompt
     finally:
         worker.close("lazy")
 

@@ -45,9 +45,9 @@ class Draft:
     drafter_forwards: int = 0
     first_row: int = 0
     seconds: float = 0.0  # time the drafter took (the server's statistics)
-    # the server's: the drafter's passes since its previous call, (rows, tokens fed, seconds) each, prompts' chunks
-    # left out, on the first draft of a call (its load-adaptive price, deployments/load_adaptive.py)
-    passes: list[tuple[int, int, float]] = field(default_factory=list)
+    # the server's: a drafter pass since its previous call fed a context's chunk (a catch-up), so the load-adaptive
+    # policy leaves the step out of its measure (deployments/load_adaptive.py)
+    fed_prompt: bool = False
     source: str = "drafter"  # "drafter" (the drafter model) or "lookup" (the context lookup, hetspec/lookup.py)
 
     @property
