@@ -85,19 +85,24 @@ class LoadAdaptive:
         return rows * per_row / max(self.step_seconds(rows, drafting), 1e-9)
 
     def step_seconds(self, rows: int, drafting: bool) -> float:
-        """Mean seconds of a step with this choice at ``rows`` requests: its steps' there, else interpolated
-        between the nearest batch sizes timed (the nearest one's beyond them). Timed again at every batch size,
-        a batch finishing one request at a time probed drafting at 7, 6, ... rows (0.86x of plain decoding at 8
-        requests; a probe)."""
+        """Mean seconds of a step with this choice at ``rows`` requests: its steps' there, else on the line through
+        the two nearest batch sizes timed (not falling with rows; the one timed alone: its seconds). Timed
+        again at every batch size, a batch finishing one request at a time probed drafting at 7, 6, ... rows
+        (0.86x of plain decoding at 8 requests); priced flat beyond the largest timed, drafting at 8 clients looked
+        as cheap as at 4 until it ran (a served run)."""
         means = {timed_rows: sum(seconds) / len(seconds) for (timed_rows, choice), seconds in self.seconds.items()
                  if choice == drafting and seconds}
         if rows in means:
             return means[rows]
-        below = max((timed_rows for timed_rows in means if timed_rows < rows), default=None)
-        above = min((timed_rows for timed_rows in means if timed_rows > rows), default=None)
-        if below is None or above is None:
-            return means[below if above is None else above]
-        return means[below] + (means[above] - means[below]) * (rows - below) / (above - below)
+        below = sorted((timed_rows for timed_rows in means if timed_rows < rows), reverse=True)
+        above = sorted(timed_rows for timed_rows in means if timed_rows > rows)
+        near = below[:1] + above[:1] if below and above else (below or above)[:2]
+        if len(near) == 1:
+            return means[near[0]]
+        low, high = sorted(near)
+        slope = max((means[high] - means[low]) / (high - low), 0.0)
+        nearest = min(near, key=lambda timed_rows: abs(timed_rows - rows))
+        return max(means[nearest] + slope * (rows - nearest), 0.0)
 
     def record(self, rows: int, k: int, committed: int, seconds: float) -> None:
         """A step over ``rows`` requests at the cap ``k`` this policy chose: it committed ``committed`` tokens in

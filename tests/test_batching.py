@@ -270,9 +270,13 @@ def test_a_batch_size_not_timed_is_priced_between_the_nearest_timed():
     _measured(policy, 8, 0, 1.0, 0.45)
     _measured(policy, 8, 5, 1.0, 1.7)
     assert policy.step_seconds(4, False) == pytest.approx(0.25 + 0.2 * 3 / 7)
-    assert policy.step_seconds(12, False) == policy.step_seconds(8, False) == pytest.approx(0.45)
-    assert policy.step_seconds(3, True) == pytest.approx(1.7), "the nearest timed beyond"
+    assert policy.step_seconds(15, False) == pytest.approx(0.45 + 0.2), "the line through the two nearest, beyond"
+    assert policy.step_seconds(3, True) == pytest.approx(1.7), "the only batch size timed drafting"
     assert policy.choose({index: 5 for index in range(7)}) == 0, "no probe at 7 rows"
+    _measured(policy, 2, 0, 1.0, 0.30)
+    assert policy.step_seconds(1, False) == pytest.approx(0.25)
+    _measured(policy, 8, 0, 1.0, 0.20, steps=SECONDS_KEPT)  # noise: 8 rows timed faster than 2
+    assert policy.step_seconds(16, False) == pytest.approx(0.20), "not falling with rows"
 
 
 def test_load_adaptive_explores_less_while_its_choice_holds_and_often_again_once_it_moves():
