@@ -16,7 +16,9 @@ Steps, one after the other (never two at once on this machine):
    in-process decoding took 15 s and 22 s twenty minutes apart), and the server's levels sit between the two
    transformers runs; the ratios to transformers are then to the mean of both.
 
-Each level sends as many requests as clients (two at concurrency 1), closed loop, ``--max-new-tokens`` each.
+Each level sends ``--rounds`` times as many requests as clients (at least two), closed loop, ``--max-new-tokens``
+each; transformers runs as many batches. One round is one wave: requests that finish apart leave the batch
+underfull until the last one ends; more rounds refill it, as steady load does.
 Writes result.json, README.md (tokens/s by method and concurrency, ratios, TTFT/TPOT) and throughput.png.
 """
 
@@ -53,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--baseline-concurrency", type=int, nargs="+", default=[1, 4],
                         help="levels run on the baseline server (it serves one request at a time: slow)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1, help="requests per client at each level")
     parser.add_argument("--task", default="humaneval")
     parser.add_argument("--baseline-commit", help="the unbatched server's commit; omitted: not run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf", "server", "baseline"])
@@ -92,7 +95,7 @@ def run_hf(args: argparse.Namespace, config: Path) -> dict:
     hf_batched(target, prompts[:1], 4)  # warm-up
     levels = {}
     for concurrency in args.concurrency:
-        repeats = 2 if concurrency == 1 else 1  # as the servers: two requests at concurrency 1
+        repeats = max(2, concurrency) * args.rounds // concurrency  # batches: as many requests as the servers send
         tokens, seconds = 0, 0.0
         for _ in range(repeats):
             made, took, _ = hf_batched(target, prompts[:concurrency], args.max_new_tokens)
@@ -166,7 +169,7 @@ def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protoc
             levels[concurrency] = {row["protocol"]: row for row in rows}
             continue
         command = [sys.executable, "-m", "benchmarks.serve_bench", "--protocol", protocol, "--concurrency",
-                   str(concurrency), "--requests", str(max(2, concurrency)), "--max-new-tokens",
+                   str(concurrency), "--requests", str(max(2, concurrency) * args.rounds), "--max-new-tokens",
                    str(args.max_new_tokens), "--task", args.task, "--num-prompts", str(max(args.concurrency)),
                    "--warmup", "1" if warmup and concurrency == concurrencies[0] else "0", "--label", label,
                    "--out", str(out)]

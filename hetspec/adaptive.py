@@ -10,7 +10,7 @@ models, both choices:
   over its last COMMITTED_KEPT steps at any batch size: acceptance does not depend on the batch) / (the mean
   seconds of its last SECONDS_KEPT steps at that batch size: the whole step, both models' passes and what runs
   between them; a batch size not timed with the choice is priced between the nearest ones that were);
-- the step takes the choice of the higher rate; the first steps alternate until each choice has been timed
+- the step drafts where drafting's rate is the higher by DRAFT_MARGIN; the first steps alternate until each choice has been timed
   MIN_STEPS times; after that an exploring step now and then takes the other choice, so both stay measured:
   EXPLORE steps apart at first, twice as far after each exploring step that leaves the choice where it was (up
   to EXPLORE_MAX), EXPLORE again once the choice moves.
@@ -35,6 +35,13 @@ COMMITTED_KEPT = 64  # recent steps' committed tokens kept per choice
 # token commits 1.97): read from its first two steps alone, a code prompt's first drafts rejected kept a lone
 # request at k = 0 for the rest of its 64 tokens (3.81 tokens/s, drafting 4.74; a probe, same run)
 PRIOR_ROWS, PRIOR_TOKENS = 4, 2.0
+# Drafting is chosen only where its rate beats plain decoding's by this fraction: near a tie what the step measure
+# leaves out decides, and it goes against drafting. Requests that draft finish apart, so a batch that no new request
+# refills runs underfull at its end, and drafting adds side costs (the drafter catching up a context, its sessions).
+# Without it, at 8 clients each sending one request, a measured near-tie (~16 tokens/s either way at 8 rows) chose
+# drafting and the level ran at 0.82x of speculation off, its batch underfull for its last 16 s of 40 (a served run:
+# benchmarks/results/serve-scaling-measured-f32/NOTES.md)
+DRAFT_MARGIN = 0.1
 EXPLORE = 8  # steps between exploring steps at first and after the choice moves
 EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
 
@@ -64,7 +71,7 @@ class LoadAdaptive:
                                                       and not (self.chosen and self.chosen[-1][1] > 0))
         else:
             self.since_explore += 1
-            best = self.rate(rows, True) >= self.rate(rows, False)
+            best = self.rate(rows, True) > (1 + DRAFT_MARGIN) * self.rate(rows, False)
             if self.since_explore >= self.explore_every:
                 drafting, self.since_explore = not best, 0
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if the choice moves

@@ -18,7 +18,7 @@ import torch
 
 from synthetic import drafter_tokenizer, language_model, target_tokenizer
 from hetspec import Engine, SamplingParams, SpeculationConfig
-from hetspec.adaptive import EXPLORE, EXPLORE_MAX, MIN_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive
+from hetspec.adaptive import DRAFT_MARGIN, EXPLORE, EXPLORE_MAX, MIN_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
 from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
@@ -240,6 +240,17 @@ def test_load_adaptive_drafts_where_drafting_committed_more_a_second_and_not_whe
     assert policy.choose(one) == 5 and policy.choose(eight) == 0
     assert policy.choose({request: 0 for request in eight}) is None, "nobody drafts: nothing to choose"
     assert policy.chosen == [(1, 5), (8, 0)]
+
+
+def test_a_near_tie_does_not_draft():
+    """Drafting must beat plain decoding by DRAFT_MARGIN: at a tie, requests that draft finish apart and the batch
+    runs underfull at its end."""
+    policy = LoadAdaptive()
+    _measured(policy, 8, 5, 2.0, 1.0, steps=60)  # 16 tokens a second drafting
+    _measured(policy, 8, 0, 1.0, 0.5)  # 16 plain
+    assert policy.choose({index: 5 for index in range(8)}) == 0
+    _measured(policy, 8, 5, 2.0, 1.0 / (1 + 2 * DRAFT_MARGIN), steps=SECONDS_KEPT)
+    assert policy.choose({index: 5 for index in range(8)}) == 5
 
 
 def test_acceptance_measured_at_one_batch_size_prices_drafting_at_another():
