@@ -8,10 +8,8 @@ round gets that cap (the policy's probes and its exploring steps then count step
 A round is measured as a step is: its seconds run from its start to the next round's (both models' calls and the
 coordinator's turn between them), its tokens are what its requests committed in the steps they took at its cap
 (each reports them when it asks again, or leaves). The policy is the library's, unchanged. A round is left out of
-the measure, as a step feeding a joining prompt is in process, when a request joined in it, a verify item fed its
-prompt's chunk or a worker prefilled a prompt at open meanwhile: it priced that prompt. A drafter catching a
-context up in a draft stays in: drafting pays it (once per request, and after every stretch at a cap of 0), plain
-decoding does not.
+the measure, as a step feeding a prompt is in process, when a request joined in it or one of its calls fed a
+prompt's chunk (a target prompt sent a chunk per verify call, a drafter catching a context up): it priced that.
 It changes which tokens are drafted, never which are output.
 """
 
@@ -96,9 +94,9 @@ class ReplicaLoadAdaptive:
         return not (self.running and self.round_cap == 0)
 
     def on_batch(self, method: str, items: list[tuple], outcomes: list[Any]) -> None:
-        """A batched call came back (``StepBatches``): a round in which a prompt was fed is not measured.
+        """A batched call came back (``StepBatches``): a round whose call fed a prompt's chunk is not measured.
         ``verify_many`` answers an item that fed a chunk of its prompt with the prompt tokens left (an int);
-        ``VerifyResult.fed_prompt`` and ``Draft.fed_prompt`` say the worker prefilled a prompt at open meanwhile."""
+        ``VerifyResult.fed_prompt`` and ``Draft.fed_prompt`` say a pass of the call fed one."""
         if self.round is not None and any(isinstance(outcome, int) or getattr(outcome, "fed_prompt", False)
                                           for outcome in outcomes):
             self.round.priced = False

@@ -35,7 +35,7 @@ import torch
 from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
 from hetspec.decoder import TargetSide
-from hetspec.kv import SharedPasses, prefill
+from hetspec.kv import PassRecord, SharedPasses, prefill
 from hetspec.models import LanguageModel, load_model
 from hetspec.output import TokenLogprob
 from hetspec.tree import TokenTree
@@ -74,8 +74,8 @@ class VerifyResult:
     new_ids: list[int]  # accepted candidates and the target's own next token
     seconds: float = 0.0  # time inside the target
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked for them
-    # a prompt was prefilled at open since the previous verify_many returned: the load-adaptive policy leaves the
-    # step out of its measure (deployments/load_adaptive.py)
+    # a pass since the previous verify_many returned fed a prompt's chunk: the load-adaptive policy leaves its step
+    # out of the measure (deployments/load_adaptive.py)
     fed_prompt: bool = False
     rows: int = 1  # requests fed by the pass that verified it (its batch)
 
@@ -107,10 +107,8 @@ class _Worker:
         self.model_threads = ModelThreads(
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
             at_other_model=(lambda: self.sessions.elsewhere(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
-        # whether a prompt was prefilled at open since the last call (its chunks' passes ~8x dearer than a step's):
-        # the load-adaptive policy (deployments/load_adaptive.py) measures steps, and a step beside one priced a
-        # joining prompt, not the draft length. A draft's own catch-up of its context is not counted here: it is
-        # a cost of drafting, which plain decoding does not pay
+        # whether a pass fed a prompt's chunk (a pass ~8x dearer) since the last call: the load-adaptive policy
+        # (deployments/load_adaptive.py) measures steps, and such a step priced the prompt, not the draft length
         self._fed_prompt = False
         self.model = self.model_threads.run(_load, model)[0]
         self.passes = SharedPasses(self.model, execute=self.model_threads.run, on_pass=self._record_pass)
@@ -166,12 +164,13 @@ class _Worker:
         finally:
             self._count_call(-len(items))
 
-    def _record_pass(self, rows: int) -> None:
+    def _record_pass(self, record: PassRecord) -> None:
         self._metrics.passes.inc(tags=self._tags)
-        self._metrics.pass_rows.observe(rows, tags={"role": self.role})
+        self._metrics.pass_rows.observe(record.rows, tags={"role": self.role})
+        self._fed_prompt |= record.prompt_chunk
 
     def _drain_fed_prompt(self) -> bool:
-        """Whether a prompt was prefilled at open since the last drain."""
+        """Whether a pass fed a prompt's chunk since the last drain."""
         fed_prompt, self._fed_prompt = self._fed_prompt, False
         return fed_prompt
 
@@ -192,7 +191,6 @@ class _Worker:
         if isinstance(outcome, BaseException):
             self.close(request_id)  # no half-filled session left behind
             raise outcome
-        self._fed_prompt = True
         self._publish()
 
     def _expired(self, request_ids: list[str]) -> None:

@@ -264,6 +264,14 @@ def forward(language_model: "LanguageModel", feeds: list[Feed], packed: bool | N
     return results
 
 
+@dataclass
+class PassRecord:
+    """One batched pass, as ``_Lockstep`` reports it (its ``on_pass``)."""
+
+    rows: int  # feeds
+    prompt_chunk: bool  # a feed above LONG_ABOVE_TOKENS (a prompt's chunk) was in it
+
+
 # A computation that needs model passes: it yields a Feed, gets back that feed's logits, and returns its result.
 Steps = Generator[Feed, torch.Tensor, Any]
 
@@ -277,9 +285,9 @@ class _Lockstep:
     one batched pass. A computation that raises fails alone; a pass that raises fails the ones it fed."""
 
     def __init__(self, language_model: "LanguageModel",
-                 on_pass: Callable[[int], None] = lambda rows: None) -> None:
+                 on_pass: Callable[[PassRecord], None] = lambda record: None) -> None:
         self.language_model = language_model
-        self.on_pass = on_pass  # called after each pass with its rows (feeds)
+        self.on_pass = on_pass  # called after each pass
         self.waiting: dict[Any, tuple[Steps, Feed]] = {}  # by key: the computation and the feed it waits on
         self.passes = 0
         self.rows = 0  # feeds over all passes
@@ -317,7 +325,7 @@ class _Lockstep:
                 self.waiting.pop(key)[0].close()
                 done(key, None, error)
             return
-        self.on_pass(len(feeds))
+        self.on_pass(PassRecord(len(feeds), first_long is not None))
         self.last_rows = len(feeds)
         for key, logits in zip(keys, all_logits):
             self.advance(key, self.waiting[key][0], logits, done)
@@ -357,7 +365,7 @@ class SharedPasses:
 
     def __init__(self, language_model: "LanguageModel",
                  execute: Callable[..., Any] = lambda work, *args: work(*args),
-                 on_pass: Callable[[int], None] = lambda rows: None) -> None:
+                 on_pass: Callable[[PassRecord], None] = lambda record: None) -> None:
         self.execute = execute
         self._lockstep = _Lockstep(language_model, on_pass)
         self._guard = threading.Lock()

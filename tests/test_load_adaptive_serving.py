@@ -135,32 +135,24 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not coordinator.load_adaptive.running
 
 
-def test_a_worker_says_when_it_prefilled_a_prompt_at_open_and_not_when_a_draft_caught_up(gemma, smollm):
-    """A step beside a prefill at open priced the joining prompt: the next call of that worker says so, the one
-    after it does not. A draft's own catch-up of its context (the session opened without it) is drafting's cost:
-    not flagged."""
+def test_the_target_worker_says_when_a_pass_fed_a_prompt_chunk(gemma):
+    """A step whose passes fed a prompt's chunk prices the prompt: the verify call after such a pass says so (the
+    prefill at open here), the next one does not."""
     from deployments.config import AppConfig
     from deployments.workers import TargetWorker
 
     config = AppConfig.model_validate(small_app_args())
-    target = TargetWorker(gemma, config.pipeline)
-    prompt_ids = gemma.encode_prompt("def fibonacci(n):\n    " * 12)
-    target.open("a", prompt_ids, "slem", SpeculationConfig(), SamplingParams(max_new_tokens=4))
-    _, _, drafter = in_process_coordinator(gemma, smollm)
-    drafter_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 3)
-    assert len(drafter_ids) > 33  # more than one step's feed: the catch-up goes as a prompt's chunk would
-    speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
-    drafter.open("eager", drafter_ids, "slem", speculation, params)
-    drafter.open("lazy", drafter_ids, "slem", speculation, params, False)
+    worker = TargetWorker(gemma, config.pipeline)
+    prompt_ids = gemma.encode_prompt("def fibonacci(n):\n    " * 12)  # a chunk above 32 tokens: a prompt's chunk
+    assert len(prompt_ids) > 40
+    worker.open("a", prompt_ids, "slem", SpeculationConfig(), SamplingParams(max_new_tokens=4))
     try:
-        [first] = target.verify_many([("a", Draft(candidates=[5, 6]))])
-        [second] = target.verify_many([("a", Draft())])
-        assert first.fed_prompt and not second.fed_prompt
-        [eager] = drafter.draft_many([("eager", b"", 4, 0, 0)])
-        [lazy] = drafter.draft_many([("lazy", b"", 4, 0, 0)])
-        assert eager.fed_prompt and not lazy.fed_prompt and lazy.drafter_forwards >= 2
+        [first] = worker.verify_many([("a", Draft(candidates=[5, 6]))])
+        assert first.fed_prompt
+        [second] = worker.verify_many([("a", Draft())])
+        assert not second.fed_prompt
     finally:
-        target.close("a"), drafter.close("eager"), drafter.close("lazy")
+        worker.close("a")
 
 
 def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, smollm):
@@ -249,6 +241,23 @@ def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_th
         assert lazy.new_ids[-1] == eager.new_ids[0]
     finally:
         worker.close("eager"), worker.close("lazy")
+
+
+def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(gemma, smollm):
+    """A first draft that feeds the whole prompt (the session opened without it) prices the catch-up, not the
+    draft length: it says so, the next draft does not."""
+    _, _, worker = in_process_coordinator(gemma, smollm)
+    prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 3)
+    assert 33 < len(prompt_ids) < 128  # one feed with the draft's first pass, long enough to count as a prompt's
+    speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
+    worker.open("lazy", prompt_ids, "slem", speculation, params, False)
+    try:
+        [draft] = worker.draft_many([("lazy", b"", 4, 0, 0)])
+        assert draft.fed_prompt and draft.drafter_forwards >= 2
+        [draft] = worker.draft_many([("lazy", draft.text, 4, 4, 1)])
+        assert not draft.fed_prompt
+    finally:
+        worker.close("lazy")
 
 
 def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(gemma, smollm):
