@@ -40,7 +40,7 @@ PRIOR_ROWS, PRIOR_TOKENS = 4, 2.0
 # refills runs underfull at its end, and drafting adds side costs (the drafter catching up a context, its sessions).
 # Without it, at 8 clients each sending one request, a measured near-tie (~16 tokens/s either way at 8 rows) chose
 # drafting and the level ran at 0.82x of speculation off, its batch underfull for its last 16 s of 40 (a served run:
-# benchmarks/results/serve-scaling-measured-f32/NOTES.md)
+# benchmarks/results/serve-scaling-measured-catchup-f32/NOTES.md)
 DRAFT_MARGIN = 0.1
 EXPLORE = 8  # steps between exploring steps at first and after the choice moves
 EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
