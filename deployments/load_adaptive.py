@@ -11,9 +11,8 @@ coordinator's turn between them), its tokens are what its requests committed in 
 the measure, as a step feeding a prompt is in process, when a request joined in it or one of its calls fed a
 prompt's chunk (a target prompt sent a chunk per verify call, a drafter catching a context up): it priced that.
 A catch-up is what switching from plain decoding to drafting costs once, not what a drafting step costs: priced in
-(f945bf3), every exploring draft after a stretch of plain decoding carried one, drafting never looked worth its
-margin again, and at 1 client the replica stopped drafting (3.18 tokens/s over HTTP against 3.57 over gRPC before
-it; benchmarks/results/serve-scaling-measured-margin-f32/NOTES.md).
+(f945bf3, reverted), every exploring draft after a stretch of plain decoding carries one, so drafting is
+measured dearer the longer it was not chosen.
 It changes which tokens are drafted, never which are output.
 """
 

@@ -9,11 +9,11 @@ models, both choices:
 - a step's rate with a choice at ``rows`` requests = rows x (tokens committed per row a step with that choice,
   over its last COMMITTED_KEPT steps at any batch size: acceptance does not depend on the batch) / (the mean
   seconds of its last SECONDS_KEPT steps at that batch size: the whole step, both models' passes and what runs
-  between them; a batch size not timed with the choice is priced between the nearest ones that were);
-- the step drafts where drafting's rate is the higher by DRAFT_MARGIN; the first steps alternate until each choice has been timed
-  MIN_STEPS times; after that an exploring step now and then takes the other choice, so both stay measured:
-  EXPLORE steps apart at first, twice as far after each exploring step that leaves the choice where it was (up
-  to EXPLORE_MAX), EXPLORE again once the choice moves.
+  between them; a batch size not timed with the choice is priced on the line through the two nearest that were);
+- the step drafts where drafting's rate is the higher by DRAFT_MARGIN; the first steps alternate until each
+  choice has been timed MIN_STEPS times; after that an exploring step now and then takes the other choice, so
+  both stay measured: EXPLORE steps apart at first, twice as far after each exploring step that leaves the
+  choice where it was (up to EXPLORE_MAX), EXPLORE again once the choice moves.
 
 Why measured: a model of the passes' prices (a line fitted to the target's and the drafter's passes) and of
 acceptance (a geometric rate per drafted token) settled a lone request at k = 1 or 0 on a 2-core CPU, where
@@ -21,6 +21,8 @@ drafting k = 5 gave 1.18x the target alone: the CPU's price of a pass is concave
 the confidence threshold left the fit without wide passes, a per-token rate from 1-token drafts undervalues long
 drafts (acceptance comes in runs), and ~40 ms a step run between the passes
 (benchmarks/results/batch-adaptive-prior-f32/NOTES.md). A step's committed tokens and its seconds hold all of that.
+What it gives up: tokens a row pool every request's steps, so at 1 client the request before decides the next
+one's choice (a served level that did not draft: benchmarks/results/serve-scaling-measured-f32/NOTES.md).
 Only the draft length is chosen here, never what is verified: it changes speed, not the output.
 """
 
@@ -33,7 +35,7 @@ SECONDS_KEPT = 16  # recent steps' seconds kept per (batch size, choice)
 COMMITTED_KEPT = 64  # recent steps' committed tokens kept per choice
 # Drafting's tokens a row start from PRIOR_ROWS pseudo-rows at PRIOR_TOKENS (a draft of 5 at acceptance 0.5 a
 # token commits 1.97): read from its first two steps alone, a code prompt's first drafts rejected kept a lone
-# request at k = 0 for the rest of its 64 tokens (3.81 tokens/s, drafting 4.74; a probe, same run)
+# request at k = 0 for the rest of its 64 tokens (3.81 tokens/s, fixed k = 5 4.74; a batch_bench probe, not committed)
 PRIOR_ROWS, PRIOR_TOKENS = 4, 2.0
 # Drafting is chosen only where its rate beats plain decoding's by this fraction: near a tie what the step measure
 # leaves out decides, and it goes against drafting. Requests that draft finish apart, so a batch that no new request
@@ -95,8 +97,9 @@ class LoadAdaptive:
         """Mean seconds of a step with this choice at ``rows`` requests: its steps' there, else on the line through
         the two nearest batch sizes timed (not falling with rows; the one timed alone: its seconds). Timed
         again at every batch size, a batch finishing one request at a time probed drafting at 7, 6, ... rows
-        (0.86x of plain decoding at 8 requests); priced flat beyond the largest timed, drafting at 8 clients looked
-        as cheap as at 4 until it ran (a served run)."""
+        (0.86x of plain decoding at 8 requests in one process; a batch_bench probe, not committed); priced flat
+        beyond the largest timed, drafting at 8 clients looked as cheap as at 4 until it ran (a served run, its
+        numbers in benchmarks/results/serve-scaling-measured-line-f32/NOTES.md)."""
         means = {timed_rows: sum(seconds) / len(seconds) for (timed_rows, choice), seconds in self.seconds.items()
                  if choice == drafting and seconds}
         if rows in means:
