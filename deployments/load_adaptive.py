@@ -49,10 +49,6 @@ class ReplicaLoadAdaptive:
         self.round: _Round | None = None  # the round now
         self.last: _Round | None = None  # the one before, until its requests have reported their tokens
 
-    @property
-    def round_cap(self) -> int | None:
-        return self.round.cap if self.round is not None else None
-
     def join(self, progress: Any, own_length: Callable[[], int]) -> None:
         self.running[progress] = own_length
         if self.round is not None:  # the round's rows changed under it
@@ -94,7 +90,7 @@ class ReplicaLoadAdaptive:
     def drafting(self) -> bool:
         """False while requests run and this round's cap is 0: a request joining now will likely draft nothing
         for a while (the coordinator then leaves its drafter prefill to its first draft)."""
-        return not (self.running and self.round_cap == 0)
+        return not (self.running and self.round is not None and self.round.cap == 0)
 
     def on_batch(self, method: str, items: list[tuple], outcomes: list[Any]) -> None:
         """A batched call came back (``StepBatches``): a round whose call fed a prompt's chunk is not measured.
