@@ -7,9 +7,10 @@ whose cap is chosen over the replica's running requests as they stand then, and 
 round gets that cap (the policy's probes and its exploring steps then count steps, as in process, not requests).
 A round is measured as a step is: its seconds run from its start to the next round's (both models' calls and the
 coordinator's turn between them), its tokens are what its requests committed in the steps they took at its cap
-(each reports them when it asks again, or leaves). The policy is the library's, unchanged. A round is left out of
-the measure, as a step feeding a prompt is in process, when a request joined in it or one of its calls fed a
-prompt's chunk (a target prompt sent a chunk per verify call, a drafter catching a context up): it priced that.
+(each reports them when it asks again, or leaves). The policy is the library's, unchanged. A round's seconds are
+left out of the measure, as a step's feeding a prompt are in process, when a request joined in it or one of its
+calls fed a prompt's chunk (a target prompt sent a chunk per verify call, a drafter catching a context up): they
+priced that. Its tokens still count: they are what its requests accepted.
 A catch-up is what switching from plain decoding to drafting costs once, not what a drafting step costs: priced in
 (f945bf3, reverted), every exploring draft after a stretch of plain decoding carries one, so drafting is
 measured dearer the longer it was not chosen.
@@ -29,16 +30,15 @@ class _Round:
         self.cap = cap
         self.started = started
         self.seconds: float | None = None  # set when the next round starts
-        self.asked: dict[int, int] = {}  # request id -> its position when it asked, until it reports its tokens
-        self.askers = 0  # requests that took this round's cap
-        self.tokens = 0  # committed by the requests that asked, as they report
+        self.asked: dict[Any, int] = {}  # a request -> its position when it asked, until it reports its tokens
+        self.committed: dict[Any, int] = {}  # a request that asked -> the tokens it committed, as it reports
         self.priced = cap is not None
 
     def report(self, progress: Any) -> None:
         """``progress`` took its step of this round: its committed tokens count, once."""
-        position = self.asked.pop(id(progress), None)
+        position = self.asked.pop(progress, None)
         if position is not None:
-            self.tokens += progress.position - position
+            self.committed[progress] = progress.position - position
 
 
 class ReplicaLoadAdaptive:
@@ -65,7 +65,7 @@ class ReplicaLoadAdaptive:
 
     def cap(self, progress: Any) -> int | None:
         """The cap on ``progress``'s draft length this step (None: its own): this round's, or a new round's."""
-        if self.round is None or id(progress) in self.round.asked:
+        if self.round is None or progress in self.round.asked:
             now = self.clock()
             if self.round is not None:
                 self.round.seconds = now - self.round.started
@@ -75,16 +75,15 @@ class ReplicaLoadAdaptive:
         if self.last is not None:
             self.last.report(progress)
             self._record_last()
-        self.round.asked[id(progress)] = progress.position
-        self.round.askers += 1
+        self.round.asked[progress] = progress.position
         return self.round.cap
 
     def _record_last(self) -> None:
         last = self.last
         if last is None or last.seconds is None or last.asked:
             return
-        if last.priced:
-            self.policy.record(last.askers, last.cap, last.tokens, last.seconds)
+        if last.cap is not None:  # an unmeasured round's tokens still tell its requests' acceptance
+            self.policy.record(last.cap, last.committed, last.seconds if last.priced else None)
         self.last = None
 
     def drafting(self) -> bool:

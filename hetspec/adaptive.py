@@ -21,8 +21,13 @@ drafting k = 5 gave 1.18x the target alone: the CPU's price of a pass is concave
 the confidence threshold left the fit without wide passes, a per-token rate from 1-token drafts undervalues long
 drafts (acceptance comes in runs), and ~40 ms a step run between the passes
 (benchmarks/results/batch-adaptive-prior-f32/NOTES.md). A step's committed tokens and its seconds hold all of that.
-What it gives up: tokens a row pool every request's steps, so at 1 client the request before decides the next
-one's choice (a served level that did not draft: benchmarks/results/serve-scaling-measured-f32/NOTES.md).
+Pooled alone, tokens a row let the request before decide the next one's choice: a served level at 1 client that
+followed a prompt with little accepted drafted in 0-1 steps a request, its own drafts never tried
+(benchmarks/results/serve-scaling-measured-f32/NOTES.md). So drafting's tokens a row are each running request's own
+drafting steps, weighed against OWN_PRIOR_STEPS steps at the pooled figure, and requests that make up half the batch
+or more joining bring the exploring steps back to EXPLORE apart, so a newcomer's own drafts get tried. A request's
+own tally counts its every drafting step, measured or not (the first drafting step after a plain stretch feeds the
+drafter the context: left out of the seconds, its tokens are still what the request accepted).
 Only the draft length is chosen here, never what is verified: it changes speed, not the output.
 """
 
@@ -44,6 +49,9 @@ PRIOR_ROWS, PRIOR_TOKENS = 4, 2.0
 # drafting and the level ran at 0.82x of speculation off, its batch underfull for its last 16 s of 40 (a served run:
 # benchmarks/results/serve-scaling-measured-catchup-f32/NOTES.md)
 DRAFT_MARGIN = 0.1
+# A request's own drafting steps weigh against this many steps at the pooled figure: on its first exploring step a
+# request accepting 3 tokens a step where the one before accepted 1.56 reads 1.85, enough to draft again on this CPU
+OWN_PRIOR_STEPS = 4
 EXPLORE = 8  # steps between exploring steps at first and after the choice moves
 EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
 
@@ -52,6 +60,8 @@ class LoadAdaptive:
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, bool], deque] = {}  # (rows, drafting) -> recent steps' seconds
         self.committed: dict[bool, deque] = {True: deque(maxlen=COMMITTED_KEPT), False: deque(maxlen=COMMITTED_KEPT)}
+        self.own: dict = {}  # a running request -> [tokens, steps] of its drafting steps
+        self.members: set = set()  # the requests of the step before
         self.since_explore = 0  # steps since the last exploring step
         self.explore_every = EXPLORE
         self.settled: bool | None = None  # the last choice made on the measure (not an exploring step's)
@@ -66,6 +76,11 @@ class LoadAdaptive:
         if largest == 0:
             return None
         rows = len(own)
+        self.own = {request: self.own[request] for request in own if request in self.own}
+        joined = len(own.keys() - self.members)
+        self.members = set(own)
+        if 2 * joined >= rows:  # their own acceptance decides: try their drafts soon (a lone request: each one)
+            self.explore_every = EXPLORE
         timed = {drafting: sum(len(seconds) for (_, choice), seconds in self.seconds.items() if choice == drafting)
                  for drafting in (False, True)}
         if min(timed.values()) < MIN_STEPS:  # the less timed; alternating while even (a server's round is timed late)
@@ -73,7 +88,7 @@ class LoadAdaptive:
                                                       and not (self.chosen and self.chosen[-1][1] > 0))
         else:
             self.since_explore += 1
-            best = self.rate(rows, True) > (1 + DRAFT_MARGIN) * self.rate(rows, False)
+            best = self.rate(rows, True, own) > (1 + DRAFT_MARGIN) * self.rate(rows, False)
             if self.since_explore >= self.explore_every:
                 drafting, self.since_explore = not best, 0
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if the choice moves
@@ -85,12 +100,18 @@ class LoadAdaptive:
         self.chosen.append((rows, k))
         return k
 
-    def rate(self, rows: int, drafting: bool) -> float:
-        """Tokens a second a step with this choice commits at ``rows`` requests, as measured."""
+    def rate(self, rows: int, drafting: bool, requests=()) -> float:
+        """Tokens a second a step with this choice commits at ``rows`` requests, as measured; drafting's tokens a row
+        are ``requests``' own where given (each weighed against OWN_PRIOR_STEPS steps at the pooled figure; plain
+        decoding commits one token a row whoever runs)."""
         committed = self.committed[drafting]
         prior_rows = PRIOR_ROWS if drafting else 0
         per_row = ((sum(tokens for tokens, _ in committed) + prior_rows * PRIOR_TOKENS)
                    / max(sum(rows for _, rows in committed) + prior_rows, 1))
+        if drafting and requests:
+            own = [self.own.get(request, (0, 0)) for request in requests]
+            per_row = sum((tokens + OWN_PRIOR_STEPS * per_row) / (steps + OWN_PRIOR_STEPS)
+                          for tokens, steps in own) / len(own)
         return rows * per_row / max(self.step_seconds(rows, drafting), 1e-9)
 
     def step_seconds(self, rows: int, drafting: bool) -> float:
@@ -114,9 +135,16 @@ class LoadAdaptive:
         nearest = min(near, key=lambda timed_rows: abs(timed_rows - rows))
         return max(means[nearest] + slope * (rows - nearest), 0.0)
 
-    def record(self, rows: int, k: int, committed: int, seconds: float) -> None:
-        """A step over ``rows`` requests at the cap ``k`` this policy chose: it committed ``committed`` tokens in
-        ``seconds`` (the whole step). Leave out a step that also fed a prompt: it prices the prompt, not k."""
+    def record(self, k: int, committed: dict, seconds: float | None) -> None:
+        """A step at the cap ``k`` this policy chose: each of its requests committed ``committed[request]`` tokens,
+        in ``seconds`` (the whole step; None for a step that also fed a prompt: it prices the prompt, not k). A
+        request that committed nothing fed its prompt in the step: its tokens say nothing of k."""
         drafting = k > 0
-        self.seconds.setdefault((rows, drafting), deque(maxlen=SECONDS_KEPT)).append(seconds)
-        self.committed[drafting].append((committed, rows))
+        if seconds is not None:
+            self.seconds.setdefault((len(committed), drafting), deque(maxlen=SECONDS_KEPT)).append(seconds)
+        stepped = {request: tokens for request, tokens in committed.items() if tokens > 0}
+        if stepped:
+            self.committed[drafting].append((sum(stepped.values()), len(stepped)))
+        for request, tokens in stepped.items() if drafting else ():
+            tally = self.own.setdefault(request, [0, 0])
+            tally[0], tally[1] = tally[0] + tokens, tally[1] + 1

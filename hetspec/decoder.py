@@ -306,8 +306,9 @@ class BatchDecoder:
             if request.finished:
                 self.running.remove(request)
                 request.release()
-        if priced:
-            self.adaptive.record(len(running), cap, sum(map(len, committed)), time.perf_counter() - started)
+        if cap is not None:
+            self.adaptive.record(cap, {request: len(new_ids) for request, new_ids in zip(running, committed)},
+                                 time.perf_counter() - started if priced else None)
         return events
 
     def _prompt_chunks(self) -> tuple[list[Steps], list[Steps]]:

@@ -85,6 +85,21 @@ def test_rounds_are_measured_whole_and_a_round_that_fed_a_prompt_is_left_out():
     assert adaptive.cap(requests[0]) is None  # nobody running
 
 
+def test_a_round_left_out_of_the_measure_still_counts_its_requests_acceptance():
+    """A drafting round whose drafter caught a context up prices the catch-up, not k: its seconds are left out, but
+    what the request accepted in it counts as its own (the first drafting round after a plain stretch is such a
+    round: left out whole, a request's own drafts were never read)."""
+    clock, adaptive, [request] = _replica(1)
+    caps = []
+    for _ in range(5):
+        caps.append(adaptive.cap(request))
+        adaptive.on_batch("draft_many", [("x",)], [Draft(fed_prompt=True)])
+        request.position += 3 if caps[-1] else 1
+        clock.now += 0.4
+    assert adaptive.policy.seconds == {} and set(caps) == {0, 5}
+    assert adaptive.policy.own[request] == [3 * caps[:-1].count(5), caps[:-1].count(5)], "the rounds closed"
+
+
 def test_a_dear_drafting_round_stops_drafting_at_the_replica():
     clock, adaptive, requests = _replica(8)
     for _ in range(8):  # drafting: 8 x 1.5 tokens in 1.7 s; plain: 8 tokens in 0.45 s
