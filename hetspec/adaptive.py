@@ -24,10 +24,12 @@ drafts (acceptance comes in runs), and ~40 ms a step run between the passes
 Pooled alone, tokens a row let the request before decide the next one's choice: a served level at 1 client that
 followed a prompt with little accepted drafted in 0-1 steps a request, its own drafts never tried
 (benchmarks/results/serve-scaling-measured-f32/NOTES.md). So drafting's tokens a row are each running request's own
-drafting steps, weighed against OWN_PRIOR_STEPS steps at the pooled figure, and requests that make up half the batch
-or more joining bring the exploring steps back to EXPLORE apart, so a newcomer's own drafts get tried. A request's
-own tally counts its every drafting step, measured or not (the first drafting step after a plain stretch feeds the
-drafter the context: left out of the seconds, its tokens are still what the request accepted).
+drafting steps, weighed against OWN_PRIOR_STEPS steps at the pooled figure, and a request joining brings the
+exploring steps back to EXPLORE apart where its drafts could make drafting pay (were it to accept as well as the
+best of the last requests), so they get tried. Not everywhere: at 2 clients, where drafting lost even so, exploring
+for every newcomer cost ~5% (benchmarks/results/serve-scaling-own-f32/NOTES.md). A request's own tally counts its
+every drafting step, measured or not (the first drafting step after a plain stretch feeds the drafter the context:
+left out of the seconds, its tokens are still what the request accepted).
 Only the draft length is chosen here, never what is verified: it changes speed, not the output.
 """
 
@@ -52,6 +54,7 @@ DRAFT_MARGIN = 0.1
 # A request's own drafting steps weigh against this many steps at the pooled figure: on its first exploring step a
 # request accepting 3 tokens a step where the one before accepted 1.56 reads 1.85, enough to draft again on this CPU
 OWN_PRIOR_STEPS = 4
+ACCEPTED_KEPT = 8  # requests gone whose tokens a drafting step say what a newcomer may accept at best
 EXPLORE = 8  # steps between exploring steps at first and after the choice moves
 EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
 
@@ -62,6 +65,7 @@ class LoadAdaptive:
         self.committed: dict[bool, deque] = {True: deque(maxlen=COMMITTED_KEPT), False: deque(maxlen=COMMITTED_KEPT)}
         self.own: dict = {}  # a running request -> [tokens, steps] of its drafting steps
         self.members: set = set()  # the requests of the step before
+        self.accepted = deque(maxlen=ACCEPTED_KEPT)  # the last requests' tokens a drafting step (those that drafted)
         self.since_explore = 0  # steps since the last exploring step
         self.explore_every = EXPLORE
         self.settled: bool | None = None  # the last choice made on the measure (not an exploring step's)
@@ -76,11 +80,11 @@ class LoadAdaptive:
         if largest == 0:
             return None
         rows = len(own)
-        self.own = {request: self.own[request] for request in own if request in self.own}
-        joined = len(own.keys() - self.members)
-        self.members = set(own)
-        if 2 * joined >= rows:  # their own acceptance decides: try their drafts soon (a lone request: each one)
-            self.explore_every = EXPLORE
+        for request in self.own.keys() - own.keys():
+            tokens, steps = self.own.pop(request)
+            if steps >= OWN_PRIOR_STEPS:
+                self.accepted.append(tokens / steps)
+        joined, self.members = own.keys() - self.members, set(own)
         timed = {drafting: sum(len(seconds) for (_, choice), seconds in self.seconds.items() if choice == drafting)
                  for drafting in (False, True)}
         if min(timed.values()) < MIN_STEPS:  # the less timed; alternating while even (a server's round is timed late)
@@ -88,7 +92,10 @@ class LoadAdaptive:
                                                       and not (self.chosen and self.chosen[-1][1] > 0))
         else:
             self.since_explore += 1
-            best = self.rate(rows, True, own) > (1 + DRAFT_MARGIN) * self.rate(rows, False)
+            bar = (1 + DRAFT_MARGIN) * self.rate(rows, False)  # drafting's rate must pass it
+            best = self.rate(rows, True, own) > bar
+            if joined and not best and self.rate(rows, True, own, hopeful=joined) > bar:
+                self.explore_every = EXPLORE  # the newcomers' own drafts could make drafting pay: try them soon
             if self.since_explore >= self.explore_every:
                 drafting, self.since_explore = not best, 0
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if the choice moves
@@ -100,19 +107,24 @@ class LoadAdaptive:
         self.chosen.append((rows, k))
         return k
 
-    def rate(self, rows: int, drafting: bool, requests=()) -> float:
+    def rate(self, rows: int, drafting: bool, requests=(), hopeful=()) -> float:
         """Tokens a second a step with this choice commits at ``rows`` requests, as measured; drafting's tokens a row
         are ``requests``' own where given (each weighed against OWN_PRIOR_STEPS steps at the pooled figure; plain
-        decoding commits one token a row whoever runs)."""
+        decoding commits one token a row whoever runs), those of ``hopeful`` ones the best of the last requests'
+        (at least PRIOR_TOKENS)."""
         committed = self.committed[drafting]
         prior_rows = PRIOR_ROWS if drafting else 0
         per_row = ((sum(tokens for tokens, _ in committed) + prior_rows * PRIOR_TOKENS)
                    / max(sum(rows for _, rows in committed) + prior_rows, 1))
         if drafting and requests:
-            own = [self.own.get(request, (0, 0)) for request in requests]
-            per_row = sum((tokens + OWN_PRIOR_STEPS * per_row) / (steps + OWN_PRIOR_STEPS)
-                          for tokens, steps in own) / len(own)
+            best = max([PRIOR_TOKENS, *self.accepted])
+            per_row = sum(best if request in hopeful else self._own_per_row(request, per_row)
+                          for request in requests) / len(requests)
         return rows * per_row / max(self.step_seconds(rows, drafting), 1e-9)
+
+    def _own_per_row(self, request, pooled: float) -> float:
+        tokens, steps = self.own.get(request, (0, 0))
+        return (tokens + OWN_PRIOR_STEPS * pooled) / (steps + OWN_PRIOR_STEPS)
 
     def step_seconds(self, rows: int, drafting: bool) -> float:
         """Mean seconds of a step with this choice at ``rows`` requests: its steps' there, else on the line through

@@ -311,7 +311,8 @@ def test_load_adaptive_explores_less_while_its_choice_holds_and_often_again_once
 def test_a_lone_request_drafts_on_its_own_acceptance_not_on_the_request_before():
     """One client on the 2-core CPU: the request before accepted little (1.56 tokens a drafting step: drafting a
     near-tie with plain decoding, under the margin); the next request is tried within EXPLORE steps of joining and,
-    accepting 3 tokens a drafting step, drafts from then on. One request joining a batch of 8 brings no exploring."""
+    accepting 3 tokens a drafting step, drafts from then on. Where drafting cannot pay even at the best acceptance
+    lately seen (8 rows), a request joining brings no exploring step: at 8 rows it costs every drafter a catch-up."""
     policy = LoadAdaptive()
     before = {"before": 5}
     policy.choose(before)
@@ -341,8 +342,8 @@ def test_a_lone_request_drafts_on_its_own_acceptance_not_on_the_request_before()
     del batch[0]
     batch["joined"] = 5
     policy.choose(batch)
-    assert policy.explore_every == interval, "one newcomer of eight does not move the batch's figure much"
-    assert set(policy.own) <= set(batch), "a request's tally goes with it"
+    assert policy.explore_every == interval, "at 3 tokens a drafting step it would not pay"
+    assert list(policy.accepted) == [3.0] and set(policy.own) <= set(batch), "a request's tally goes with it"
 
 
 def test_a_step_that_feeds_a_prompt_prices_nothing(engine):
