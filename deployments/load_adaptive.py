@@ -83,7 +83,7 @@ class ReplicaLoadAdaptive:
         if last is None or last.seconds is None or last.asked:
             return
         if last.cap is not None:  # an unmeasured round's tokens still tell its requests' acceptance
-            self.policy.record(last.cap, last.committed, last.seconds if last.priced else None)
+            self.policy.record(last.cap, last.committed, last.seconds, last.priced)
         self.last = None
 
     def drafting(self) -> bool:

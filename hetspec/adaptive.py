@@ -14,7 +14,7 @@ models, both choices:
   choice has been timed MIN_STEPS times; after that an exploring step now and then takes the other choice, so
   both stay measured: EXPLORE steps apart at first, twice as far after each exploring step that leaves the
   choice where it was (up to EXPLORE_MAX), EXPLORE again once the choice moves, and never so close together that
-  they cost more than EXPLORE_BUDGET of the time. An exploring step left out of the seconds is taken again, once:
+  they take more than EXPLORE_BUDGET of the time. An exploring step left out of the seconds is taken again, once:
   in the server the first drafting round after over 32 plain ones catches the drafter's context up and is left
   out, so once exploring steps came that far apart drafting was never timed again and stayed priced by its earlier
   steps (the likely cause of a served level at 1 client drafting once in 64 steps:
@@ -62,10 +62,11 @@ OWN_PRIOR_STEPS = 4
 ACCEPTED_KEPT = 8  # requests gone whose tokens a drafting step say what a newcomer may accept at best
 EXPLORE = 8  # steps between exploring steps at first and after the choice moves
 EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
-# Exploring steps come far enough apart to cost at most this fraction of the time, by the measured seconds of a step
-# with either choice: at 8 clients on this CPU a drafting step took ~1.7 s against plain decoding's ~0.5, and
-# exploring on the schedule above (each request drafting in 3-5 rounds of its 64) cost 0.89x of speculation off
-# (benchmarks/results/serve-scaling-hopeful-f32/NOTES.md); at 1 client a drafting step costs 0.17 s more
+# Exploring steps wait while what they took beyond a step of the settled choice (measured: the step's own seconds,
+# a catch-up and a retried step included) exceeds this fraction of the time recorded: at 8 clients on this CPU an
+# exploring drafting round with its catch-up took ~1.7 s and its retry ~1.0 s against plain decoding's ~0.44, and
+# on the schedule alone (each request drafting in 3-5 rounds of its 64) 8 clients ran at 0.89x of speculation off
+# (benchmarks/results/serve-scaling-hopeful-f32/NOTES.md); at 1 client a drafting step costs ~0.17 s more
 EXPLORE_BUDGET = 0.05
 
 
@@ -81,6 +82,8 @@ class LoadAdaptive:
         self.settled: bool | None = None  # the last choice made on the measure (not an exploring step's)
         self.exploring: bool | None = None  # the last exploring step's choice, until its step is recorded
         self.retry: bool | None = None  # that choice again: its step was left out of the seconds
+        self.elapsed = 0.0  # seconds of the steps recorded since the first choice on the measure
+        self.overspent = 0.0  # of those, what exploring steps took beyond a step of the settled choice
         self.chosen: list[tuple[int, int]] = []  # (batch size, k) per step, for the statistics
 
     def choose(self, own: dict) -> int | None:
@@ -110,7 +113,9 @@ class LoadAdaptive:
                 self.explore_every = EXPLORE  # the newcomers' own drafts could make drafting pay: try them soon
             if self.retry is not None:  # once: a server's exploring draft after a plain stretch catches a context up
                 drafting, self.retry, self.since_explore = self.retry, None, 0
-            elif self.since_explore >= max(self.explore_every, self._explore_floor(rows, best)):
+            elif self.since_explore >= self.explore_every and (
+                    self.overspent <= EXPLORE_BUDGET * self.elapsed  # one no dearer than the settled choice: free
+                    or self.step_seconds(rows, not best) <= self.step_seconds(rows, best)):
                 drafting = self.exploring = not best
                 self.since_explore = 0
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if the choice moves
@@ -137,11 +142,6 @@ class LoadAdaptive:
                           for request in requests) / len(requests)
         return rows * per_row / max(self.step_seconds(rows, drafting), 1e-9)
 
-    def _explore_floor(self, rows: int, best: bool) -> float:
-        """Steps between exploring steps that keep their extra seconds within EXPLORE_BUDGET of the time."""
-        chosen = self.step_seconds(rows, best)
-        return (self.step_seconds(rows, not best) - chosen) / max(EXPLORE_BUDGET * chosen, 1e-9)
-
     def _own_per_row(self, request, pooled: float) -> float:
         tokens, steps = self.own.get(request, (0, 0))
         return (tokens + OWN_PRIOR_STEPS * pooled) / (steps + OWN_PRIOR_STEPS)
@@ -167,15 +167,19 @@ class LoadAdaptive:
         nearest = min(near, key=lambda timed_rows: abs(timed_rows - rows))
         return max(means[nearest] + slope * (rows - nearest), 0.0)
 
-    def record(self, k: int, committed: dict, seconds: float | None) -> None:
+    def record(self, k: int, committed: dict, seconds: float, priced: bool = True) -> None:
         """A step at the cap ``k`` this policy chose: each of its requests committed ``committed[request]`` tokens,
-        in ``seconds`` (the whole step; None for a step that also fed a prompt: it prices the prompt, not k). A
-        request that committed nothing fed its prompt in the step: its tokens say nothing of k."""
-        drafting = k > 0
+        in ``seconds`` (the whole step). Not ``priced``: a step that also fed a prompt, its seconds price the
+        prompt, not k. A request that committed nothing fed its prompt in the step: its tokens say nothing of k."""
+        drafting, rows = k > 0, len(committed)
+        if self.settled is not None:
+            self.elapsed += seconds
+            if drafting != self.settled:  # an exploring step or its retry
+                self.overspent += max(seconds - self.step_seconds(rows, self.settled), 0.0)
         if drafting == self.exploring:
-            self.retry, self.exploring = (drafting if seconds is None else None), None
-        if seconds is not None:
-            self.seconds.setdefault((len(committed), drafting), deque(maxlen=SECONDS_KEPT)).append(seconds)
+            self.retry, self.exploring = (None if priced else drafting), None
+        if priced:
+            self.seconds.setdefault((rows, drafting), deque(maxlen=SECONDS_KEPT)).append(seconds)
         stepped = {request: tokens for request, tokens in committed.items() if tokens > 0}
         if stepped:
             self.committed[drafting].append((sum(stepped.values()), len(stepped)))

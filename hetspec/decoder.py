@@ -308,7 +308,7 @@ class BatchDecoder:
                 request.release()
         if cap is not None:
             self.adaptive.record(cap, {request: len(new_ids) for request, new_ids in zip(running, committed)},
-                                 time.perf_counter() - started if priced else None)
+                                 time.perf_counter() - started, priced)
         return events
 
     def _prompt_chunks(self) -> tuple[list[Steps], list[Steps]]:

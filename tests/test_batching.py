@@ -308,18 +308,22 @@ def test_load_adaptive_explores_less_while_its_choice_holds_and_often_again_once
     assert after[0] == 5 and 0 in after, "the choice moved: the next exploring step within EXPLORE steps"
 
 
-def test_exploring_steps_cost_at_most_their_budget_of_the_time():
-    """At 8 clients on the 2-core CPU a drafting step took ~1.7 s against plain decoding's 0.45: exploring steps
-    come far enough apart to cost at most EXPLORE_BUDGET of the time, whatever the schedule."""
+def test_exploring_steps_take_at_most_their_budget_of_the_time():
+    """An exploring drafting round at 8 clients with its drafters' catch-up took ~1.7 s on the 2-core CPU against
+    plain decoding's 0.44 (longer contexts: longer). On the schedule alone exploring steps of 4 s would take ~10%
+    of the time here; they wait while what they took beyond a plain step exceeds EXPLORE_BUDGET of it."""
     requests = {index: 5 for index in range(8)}
     policy = LoadAdaptive()
-    _measured(policy, 8, 5, 1.5, 1.7)
+    _measured(policy, 8, 5, 1.5, 4.0)
     _measured(policy, 8, 0, 1.0, 0.45)
-    choices = [policy.choose(requests) for _ in range(400)]
-    exploring = [step for step, k in enumerate(choices) if k]
-    floor = (1.7 - 0.45) / (EXPLORE_BUDGET * 0.45)
-    assert len(exploring) >= 3 and all(later - earlier >= floor for earlier, later in zip(exploring, exploring[1:]))
-    assert exploring[0] >= floor - 1
+    choices = []
+    for _ in range(400):
+        choices.append(policy.choose(requests))
+        policy.record(choices[-1], dict.fromkeys(requests, 2 if choices[-1] else 1), 4.0 if choices[-1] else 0.45)
+    exploring = choices.count(5)
+    elapsed = exploring * 4.0 + (len(choices) - exploring) * 0.45
+    assert exploring >= 2 and exploring * (4.0 - 0.45) <= EXPLORE_BUDGET * elapsed + (4.0 - 0.45)
+    assert policy.overspent == pytest.approx(exploring * (4.0 - 0.45))
 
 
 def test_an_exploring_step_left_out_of_the_seconds_is_taken_again_once():
@@ -332,12 +336,13 @@ def test_an_exploring_step_left_out_of_the_seconds_is_taken_again_once():
     choices = []
     for _ in range(3 * EXPLORE):
         choices.append(policy.choose(lone))
-        policy.record(choices[-1], {"a": 2 if choices[-1] else 1}, None if choices[-1] else 0.25)
+        drafting = choices[-1] > 0  # each drafting step catches the drafter up: left out of the seconds
+        policy.record(choices[-1], {"a": 2 if drafting else 1}, 0.9 if drafting else 0.25, priced=not drafting)
     first = choices.index(5)
     assert choices[first:first + 3] == [5, 5, 0], "taken again once, not again after the retry was left out"
     policy.choose(lone)
     seconds = len(policy.seconds[1, True])
-    for _ in range(3 * EXPLORE):  # exploring steps now measured
+    for _ in range(200):  # exploring steps now measured, once the budget allows (0.65 s spent on each above)
         choice = policy.choose(lone)
         policy.record(choice, {"a": 2 if choice else 1}, 0.42 if choice else 0.25)
         assert choice == 0 or policy.retry is None
