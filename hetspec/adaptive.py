@@ -114,8 +114,8 @@ class LoadAdaptive:
             if self.retry is not None:  # once: a server's exploring draft after a plain stretch catches a context up
                 drafting, self.retry, self.since_explore = self.retry, None, 0
             elif self.since_explore >= self.explore_every and (
-                    self.overspent <= EXPLORE_BUDGET * self.elapsed  # one no dearer than the settled choice: free
-                    or self.step_seconds(rows, not best) <= self.step_seconds(rows, best)):
+                    self.overspent <= EXPLORE_BUDGET * self.elapsed
+                    or self.step_seconds(rows, not best) <= self.step_seconds(rows, best)):  # no dearer: free
                 drafting = self.exploring = not best
                 self.since_explore = 0
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if the choice moves
