@@ -14,7 +14,8 @@ models, both choices:
   choice has been timed MIN_STEPS times; after that an exploring step now and then takes the other choice, so
   both stay measured: EXPLORE steps apart at first, twice as far after each exploring step that leaves the
   choice where it was (up to EXPLORE_MAX), EXPLORE again once the choice moves, and never so close together that
-  they take more than EXPLORE_BUDGET of the time. An exploring step left out of the seconds is taken again, once:
+  they take more than EXPLORE_BUDGET of the time (HOPELESS_BUDGET where drafting could not pay at the best
+  acceptance lately seen). An exploring step left out of the seconds is taken again, once:
   in the server the first drafting round after over 32 plain ones catches the drafter's context up and is left
   out, so once exploring steps came that far apart drafting was never timed again and stayed priced by its earlier
   steps (the likely cause of a served level at 1 client drafting once in 64 steps:
@@ -68,6 +69,11 @@ EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
 # on the schedule alone (each request drafting in 3-5 rounds of its 64) 8 clients ran at 0.89x of speculation off
 # (benchmarks/results/serve-scaling-hopeful-f32/NOTES.md); at 1 client a drafting step costs ~0.17 s more
 EXPLORE_BUDGET = 0.05
+# Exploring a draft that could not pay even at the best acceptance lately seen, priced at the batch size's measured
+# (or interpolated) seconds, waits for this smaller budget: at 8 clients such a round and its retry cost ~1.8 s more
+# than plain decoding and left the level at 0.90x of speculation off (benchmarks/results/serve-scaling-spent-f32/
+# NOTES.md). Not never: it is what re-measures a batch size whose seconds, or a workload whose acceptance, changed.
+HOPELESS_BUDGET = 0.01
 
 
 class LoadAdaptive:
@@ -113,9 +119,7 @@ class LoadAdaptive:
                 self.explore_every = EXPLORE  # the newcomers' own drafts could make drafting pay: try them soon
             if self.retry is not None:  # once: a server's exploring draft after a plain stretch catches a context up
                 drafting, self.retry, self.since_explore = self.retry, None, 0
-            elif self.since_explore >= self.explore_every and (
-                    self.overspent <= EXPLORE_BUDGET * self.elapsed
-                    or self.step_seconds(rows, not best) <= self.step_seconds(rows, best)):  # no dearer: free
+            elif self.since_explore >= self.explore_every and self._may_explore(rows, best, own, bar):
                 drafting = self.exploring = not best
                 self.since_explore = 0
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if the choice moves
@@ -126,6 +130,15 @@ class LoadAdaptive:
         k = largest if drafting else 0
         self.chosen.append((rows, k))
         return k
+
+    def _may_explore(self, rows: int, best: bool, own: dict, bar: float) -> bool:
+        """Whether an exploring step (the choice other than ``best``) is within its budget now: EXPLORE_BUDGET of the
+        time, or HOPELESS_BUDGET where drafting would not pay even were every request to accept as well as the best
+        of the last requests; free where it is no dearer than the settled choice."""
+        if self.step_seconds(rows, not best) <= self.step_seconds(rows, best):
+            return True
+        could_pay = best or self.rate(rows, True, own, hopeful=own.keys()) > bar
+        return self.overspent <= (EXPLORE_BUDGET if could_pay else HOPELESS_BUDGET) * self.elapsed
 
     def rate(self, rows: int, drafting: bool, requests=(), hopeful=()) -> float:
         """Tokens a second a step with this choice commits at ``rows`` requests, as measured; drafting's tokens a row

@@ -18,8 +18,8 @@ import torch
 
 from synthetic import drafter_tokenizer, language_model, target_tokenizer
 from hetspec import Engine, SamplingParams, SpeculationConfig
-from hetspec.adaptive import (DRAFT_MARGIN, EXPLORE, EXPLORE_BUDGET, EXPLORE_MAX, MIN_STEPS, OWN_PRIOR_STEPS,
-                              PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive)
+from hetspec.adaptive import (DRAFT_MARGIN, EXPLORE, EXPLORE_BUDGET, EXPLORE_MAX, HOPELESS_BUDGET, MIN_STEPS,
+                              OWN_PRIOR_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive)
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
 from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
@@ -308,22 +308,40 @@ def test_load_adaptive_explores_less_while_its_choice_holds_and_often_again_once
     assert after[0] == 5 and 0 in after, "the choice moved: the next exploring step within EXPLORE steps"
 
 
-def test_exploring_steps_take_at_most_their_budget_of_the_time():
+def _left(policy: LoadAdaptive, per_step: float) -> None:
+    """A lone request drafts OWN_PRIOR_STEPS steps committing ``per_step`` tokens each, then leaves: its acceptance
+    joins the last requests'."""
+    for _ in range(OWN_PRIOR_STEPS):
+        policy.record(5, {"gone": per_step}, 0.4)
+    policy.choose({"someone else": 5})
+
+
+@pytest.mark.parametrize("drafting_seconds, best_accepted, budget", [(1.7, 5.0, EXPLORE_BUDGET),
+                                                                      (4.0, None, HOPELESS_BUDGET)])
+def test_exploring_steps_take_at_most_their_budget_of_the_time(drafting_seconds, best_accepted, budget):
     """An exploring drafting round at 8 clients with its drafters' catch-up took ~1.7 s on the 2-core CPU against
     plain decoding's 0.44 (longer contexts: longer). On the schedule alone exploring steps of 4 s would take ~10%
-    of the time here; they wait while what they took beyond a plain step exceeds EXPLORE_BUDGET of it."""
+    of the time here; they wait while what they took beyond a plain step exceeds EXPLORE_BUDGET of it, and
+    HOPELESS_BUDGET where drafting would not pay even at the best acceptance lately seen (the prior's 2 tokens a
+    step at 4 s: 4 tokens a second against plain decoding's 18; at 5 tokens a step and 1.7 s it would, 23.5)."""
     requests = {index: 5 for index in range(8)}
     policy = LoadAdaptive()
-    _measured(policy, 8, 5, 1.5, 4.0)
+    if best_accepted:
+        _left(policy, best_accepted)
+    _measured(policy, 8, 5, 1.5, drafting_seconds)
     _measured(policy, 8, 0, 1.0, 0.45)
     choices = []
-    for _ in range(400):
+    for _ in range(1500):
         choices.append(policy.choose(requests))
-        policy.record(choices[-1], dict.fromkeys(requests, 2 if choices[-1] else 1), 4.0 if choices[-1] else 0.45)
+        policy.record(choices[-1], dict.fromkeys(requests, 2 if choices[-1] else 1),
+                      drafting_seconds if choices[-1] else 0.45)
     exploring = choices.count(5)
-    elapsed = exploring * 4.0 + (len(choices) - exploring) * 0.45
-    assert exploring >= 2 and exploring * (4.0 - 0.45) <= EXPLORE_BUDGET * elapsed + (4.0 - 0.45)
-    assert policy.overspent == pytest.approx(exploring * (4.0 - 0.45))
+    elapsed = exploring * drafting_seconds + (len(choices) - exploring) * 0.45
+    overspent = drafting_seconds - 0.45
+    assert exploring >= 2 and exploring * overspent <= budget * elapsed + overspent
+    if budget == EXPLORE_BUDGET:
+        assert exploring * overspent > HOPELESS_BUDGET * elapsed + overspent, "a draft that could pay: the larger budget"
+    assert policy.overspent == pytest.approx(exploring * overspent)
 
 
 def test_an_exploring_step_left_out_of_the_seconds_is_taken_again_once():
