@@ -273,7 +273,9 @@ class DecodeLoop:
         try:
             # Each chunk goes with the others' verify calls (one target pass feeds them and the chunk), as a joining
             # prompt does in process (hetspec/decoder.py's BatchDecoder); prefilled at open, it ran beside draft
-            # calls. The draft length policy counts the request once it steps, as in process.
+            # calls. The draft length policy counts it as a row meanwhile, and as drafting once it steps.
+            if self.load_adaptive is not None:
+                self.load_adaptive.arrive(self.progress)
             while self.prefill_target and await self.batches.call(self, self.target, "verify_many",
                                                                   (self.request_id, None)):
                 pass

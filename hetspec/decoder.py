@@ -270,7 +270,10 @@ class BatchDecoder:
         started = time.perf_counter()
         target_chunks, drafter_chunks = self._prompt_chunks()
         running = list(self.running)
-        cap = self.adaptive.choose({request: request.draft_length(request.drafter is not None) for request in running}) \
+        # the requests whose prompts are being fed count as rows drafting nothing: they run within a few steps, and
+        # the cap is chosen at the load the batch has (deployments/load_adaptive.py's arrive says what it cost)
+        cap = self.adaptive.choose({**dict.fromkeys(self.joining, 0), **{
+            request: request.draft_length(request.drafter is not None) for request in running}}) \
             if self.adaptive else None
         # a request that started at once feeds its prompt in its first step's passes: that step prices the prompt,
         # not k (priced, a first step of 1.5 s for "1 token" held a lone request at k = 0 for 20 of its 44 steps)

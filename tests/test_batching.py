@@ -545,21 +545,24 @@ def test_long_prompts_are_prefilled_first_come_first_served_between_the_others_p
     assert fed[:2] == ["d", "a"] and fed.count("d") == 5 and fed.index("b") > fed.index("d", 2)
 
 
-def test_a_joining_prompt_rides_the_others_verification_passes_in_chunks():
+@pytest.mark.parametrize("load_adaptive", [False, True])
+def test_a_joining_prompt_rides_the_others_verification_passes_in_chunks(load_adaptive):
     """In process too, a joining request's prompt chunks join the running request's passes (one target pass a
-    step, not a chunk pass besides), the drafter's likewise, and both requests get what they get alone."""
+    step, not a chunk pass besides), the drafter's likewise, and both requests get what they get alone. The
+    load-adaptive cap is chosen meanwhile at 2 rows: the load the batch has."""
     target = language_model("target", target_tokenizer(), seed=0)
     drafter = language_model("drafter", drafter_tokenizer(), seed=1)
     engine = Engine(target, drafter, batching=BatchingConfig(max_batch_size=2, prefill_chunk_tokens=8))
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True), SamplingParams(max_new_tokens=8, ignore_eos=True)]
-    prompts, speculation = ["ab c", "abc ab cab ca bc a b c abc cba"], SpeculationConfig(algorithm="slem")
+    prompts = ["ab c", "abc ab cab ca bc a b c abc cba"]
+    speculation = SpeculationConfig(algorithm="slem", load_adaptive=load_adaptive)
     assert len(target.encode_prompt(prompts[1])) > 2 * 8 and len(drafter.encode_prompt(prompts[1])) > 2 * 8
     alone = [engine.generate(prompt, own, speculation=speculation).token_ids for prompt, own in zip(prompts, params)]
     target_passes = []
     forward = target.model.forward
     target.model.forward = lambda *args, **kwargs: target_passes.append(1) or forward(*args, **kwargs)
     try:
-        decoder = BatchDecoder(target, drafter, engine.batching)
+        decoder = BatchDecoder(target, drafter, engine.batching, load_adaptive=load_adaptive)
         requests = [engine.request(prompt, params[index], speculation=speculation, request_id=str(index))
                     for index, prompt in enumerate(prompts)]
         generated: dict[str, list[int]] = {"0": [], "1": []}
@@ -569,12 +572,14 @@ def test_a_joining_prompt_rides_the_others_verification_passes_in_chunks():
         while len(decoder):
             if generated["0"] and waiting:
                 decoder.add(waiting.pop())
-            joining = bool(decoder.joining)
-            before = len(target_passes)
+            joining = bool(decoder.joining) and bool(decoder.running)  # (with nobody running, they start at once)
+            before, chosen = len(target_passes), len(decoder.adaptive.chosen) if load_adaptive else 0
             for request, event in decoder.step():
                 generated[request.request_id] += event.token_ids
             if joining:
                 passes_while_joining.append(len(target_passes) - before)
+                if load_adaptive:
+                    assert [rows for rows, _ in decoder.adaptive.chosen[chosen:]] in ([], [2])
     finally:
         del target.model.forward
     assert [generated["0"], generated["1"]] == alone

@@ -309,3 +309,27 @@ def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(
     assert target_worker.passes.passes - passes >= -(-(len(prompt_ids) - 1) // 16), "a pass per chunk"
     alone = Engine(gemma, smollm).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
     assert token_ids == alone
+
+
+def test_requests_whose_prompts_are_being_fed_count_in_the_load_the_cap_is_chosen_at():
+    """At a wave's start of 8 clients the first request to step chose drafting at 1 row while the others' prompts
+    waited their turn: a ~1.1 s round against a plain one's 0.44 (serve-scaling-budget-f32/NOTES.md)."""
+    clock, adaptive, [first] = _replica(1)
+    for rows, seconds_by_cap in ((1, {True: 0.4, False: 0.25}), (8, {True: 1.7, False: 0.45})):
+        for drafting in (True, False):
+            for _ in range(4):
+                adaptive.policy.record(5 if drafting else 0, {object(): 3 if drafting else 1 for _ in range(rows)},
+                                       seconds_by_cap[drafting])
+    assert adaptive.cap(first) == 5, "alone: drafting pays"
+    feeding = [_Request() for _ in range(7)]
+    for request in feeding:
+        adaptive.arrive(request)
+    first.position += 3
+    clock.now += 0.4
+    assert adaptive.cap(first) == 0, "at the replica's 8 rows it does not"
+    assert adaptive.policy.chosen[-1] == (8, 0)
+    for request in feeding:
+        adaptive.leave(request)  # (cancelled before their prompts were in)
+    first.position += 1
+    clock.now += 0.25
+    assert adaptive.cap(first) == 5 and set(adaptive.running) == {first}
