@@ -45,17 +45,18 @@ class ReplicaLoadAdaptive:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.policy = LoadAdaptive()
         self.clock = clock
-        self.running: dict[Any, Callable[[], int]] = {}  # a request's Progress -> its own draft length now
+        # a request's Progress -> its own draft length now (None: its prompt is being fed)
+        self.running: dict[Any, Callable[[], int | None]] = {}
         self.round: _Round | None = None  # the round now
         self.last: _Round | None = None  # the one before, until its requests have reported their tokens
 
     def arrive(self, progress: Any) -> None:
-        """``progress``'s prompt is being fed: a row of the replica's load, drafting nothing until it joins. Counted
+        """``progress``'s prompt is being fed: a row of the replica's load, not drafting until it joins. Counted
         in the rows the cap is chosen at, so at a wave's start the first requests to step do not choose drafting at
         their own few rows while the others' prompts wait their turn (at 8 clients one such round took ~1.1 s
         against a plain round's 0.44: benchmarks/results/serve-scaling-budget-f32/NOTES.md). In process,
         ``BatchDecoder`` counts its joining requests the same way."""
-        self.running[progress] = lambda: 0
+        self.running[progress] = lambda: None
 
     def join(self, progress: Any, own_length: Callable[[], int]) -> None:
         self.running[progress] = own_length

@@ -96,10 +96,13 @@ class LoadAdaptive:
         """This step's cap on every request's draft length: 0 or the largest own k; None when nobody drafts.
 
         ``own``: each request of the step -> the draft length it would take on its own (0: it does not draft
-        now)."""
-        largest = max(own.values(), default=0)
+        now; None: its prompt is being fed, a row within a few steps). While a prompt is fed no exploring step is
+        taken: such a step is left out of the seconds (it prices the prompt), so it would buy no measure, and,
+        one model at a time in the server, its drafter catch-ups would hold the pass that carries the prompt."""
+        largest = max((length for length in own.values() if length), default=0)
         if largest == 0:
             return None
+        feeding = None in own.values()
         rows = len(own)
         for request in self.own.keys() - own.keys():
             tokens, steps = self.own.pop(request)
@@ -117,9 +120,9 @@ class LoadAdaptive:
             best = self.rate(rows, True, own) > bar
             if joined and not best and self.rate(rows, True, own, hopeful=joined) > bar:
                 self.explore_every = EXPLORE  # the newcomers' own drafts could make drafting pay: try them soon
-            if self.retry is not None:  # once: a server's exploring draft after a plain stretch catches a context up
-                drafting, self.retry, self.since_explore = self.retry, None, 0
-            elif self.since_explore >= self.explore_every and self._may_explore(rows, best, own, bar):
+            if self.retry is not None and not feeding:  # once: a server's exploring draft after a plain stretch
+                drafting, self.retry, self.since_explore = self.retry, None, 0  # catches a context up
+            elif not feeding and self.since_explore >= self.explore_every and self._may_explore(rows, best, own, bar):
                 drafting = self.exploring = not best
                 self.since_explore = 0
                 self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if the choice moves

@@ -270,9 +270,9 @@ class BatchDecoder:
         started = time.perf_counter()
         target_chunks, drafter_chunks = self._prompt_chunks()
         running = list(self.running)
-        # the requests whose prompts are being fed count as rows drafting nothing: they run within a few steps, and
-        # the cap is chosen at the load the batch has (deployments/load_adaptive.py's arrive says what it cost)
-        cap = self.adaptive.choose({**dict.fromkeys(self.joining, 0), **{
+        # the requests whose prompts are being fed count as rows (None: they run within a few steps): the cap is
+        # chosen at the load the batch has (deployments/load_adaptive.py's arrive says what it cost)
+        cap = self.adaptive.choose({**dict.fromkeys(self.joining), **{
             request: request.draft_length(request.drafter is not None) for request in running}}) \
             if self.adaptive else None
         # a request that started at once feeds its prompt in its first step's passes: that step prices the prompt,

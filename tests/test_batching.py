@@ -344,6 +344,24 @@ def test_exploring_steps_take_at_most_their_budget_of_the_time(drafting_seconds,
     assert policy.overspent == pytest.approx(exploring * overspent)
 
 
+def test_no_exploring_step_while_a_prompt_is_being_fed():
+    """A step that feeds a prompt is left out of the seconds: an exploring step there buys no measure (and, one model
+    at a time in the server, its drafter catch-ups hold the pass that carries the prompt). It waits, retries too."""
+    requests = {index: 5 for index in range(4)}
+    policy = LoadAdaptive()
+    _measured(policy, 4, 5, 1.0, 0.6)  # plain decoding settled; drafting could pay at the prior's 2 tokens a step
+    _measured(policy, 4, 0, 1.0, 0.35)
+    choices = [policy.choose(requests) for _ in range(EXPLORE - 1)]
+    assert choices == [0] * (EXPLORE - 1) and policy.since_explore == EXPLORE - 1
+    feeding = {**requests, "joining": None}
+    assert [policy.choose(feeding) for _ in range(EXPLORE)] == [0] * EXPLORE, "due, but a prompt is being fed"
+    assert policy.chosen[-1] == (5, 0), "the joining request counts as a row"
+    assert policy.choose(requests) == 5, "explored once the prompt is in"
+    policy.record(5, dict.fromkeys(requests, 2), 0.9, priced=False)
+    assert policy.choose(feeding) == 0 and policy.retry is not None
+    assert policy.choose(requests) == 5 and policy.retry is None
+
+
 def test_an_exploring_step_left_out_of_the_seconds_is_taken_again_once():
     """In the server the first drafting round after a plain stretch catches the drafter's context up and is left out
     of the seconds: exploring must time a drafting step after it, or drafting stays priced by its first probes."""
