@@ -271,7 +271,8 @@ class BatchDecoder:
         target_chunks, drafter_chunks = self._prompt_chunks()
         running = list(self.running)
         # the requests whose prompts are being fed count as rows (None: they run within a few steps): the cap is
-        # chosen at the load the batch has (deployments/load_adaptive.py's arrive says what it cost)
+        # chosen at the load the batch has (served, the first rows to step drafted at their own few while the
+        # others' prompts waited: benchmarks/results/serve-scaling-budget-f32/NOTES.md)
         cap = self.adaptive.choose({**dict.fromkeys(self.joining), **{
             request: request.draft_length(request.drafter is not None) for request in running}}) \
             if self.adaptive else None
