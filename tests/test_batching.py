@@ -619,22 +619,3 @@ def test_unseeded_sampling_draws_a_fresh_seed_that_reproduces_the_sample():
         assert again.token_ids == result.token_ids and again.stats.seed == result.stats.seed
     batched = engine.generate_batch(["ab c"] * 2, params)
     assert batched[0].stats.seed != batched[1].stats.seed
-
-
-def test_the_first_token_is_the_targets_own_and_drafting_starts_at_the_second():
-    """As served (the drafter's prompt is fed at its first draft there), so both runtimes draft alike and a seeded
-    sample is the same in process and served."""
-    target = language_model("target", target_tokenizer(), seed=0)
-    drafter = language_model("drafter", drafter_tokenizer(), seed=1)
-    engine = Engine(target, drafter)
-    request = engine.request("ab c", SamplingParams(max_new_tokens=8, ignore_eos=True),
-                             speculation=SpeculationConfig(algorithm="slem", draft_tokens=3))
-    decoder = BatchDecoder(target, drafter, engine.batching)
-    decoder.add(request)
-    try:
-        decoder.step()
-        assert request.position == 1 and request.stats.chosen_draft_tokens == 0
-        decoder.step()
-        assert request.stats.chosen_draft_tokens == 3
-    finally:
-        decoder.cancel(request)

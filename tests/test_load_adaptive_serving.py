@@ -202,7 +202,8 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, s
     token_ids, _ = asyncio.run(run(pipelined=False))
     assert token_ids == alone and drafter_worker.passes.passes == 0, "in step, the prefill waits for a draft"
 
-    caps[:] = [0, 0, 3]  # drafting from the third step on: its first draft prefills the prompt first
+    caps[:] = [0, 3]  # drafting from the third step on (the first asks no cap: in step it never drafts): its
+    # first draft prefills the prompt first
     drafter_prompt = len(smollm.encode_prompt(prompt))
     assert drafter_prompt > 2 * 16
     token_ids, stats = asyncio.run(run(pipelined=False))
@@ -338,7 +339,7 @@ def test_requests_whose_prompts_are_being_fed_count_in_the_load_the_cap_is_chose
 def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pass(gemma, smollm):
     """In step a drafter session opens without its prompt: drafted on the first step, that prefill held the first
     token (first tokens later than with speculation off: serve-scaling-arrive-f32/NOTES.md). Drafting starts at the
-    second step, in process as served (``Progress.draft_length``); the output stays the target's."""
+    second step; the output stays the target's."""
     from deployments.coordinator import GenerationRequest
 
     coordinator, _, drafter_worker = in_process_coordinator(gemma, smollm, speculation={"algorithm": "slem"},
