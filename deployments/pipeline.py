@@ -291,18 +291,11 @@ class DecodeLoop:
     async def _steps(self) -> AsyncIterator[StreamEvent]:
         speculation: _Speculation | None = None
         new_ids: list[int] = []
-        # In step the drafter's session opened without its prompt and its first draft feeds it: drafted on the
-        # first step, that catch-up sits on the first token's path and, one model at a time, holds the target pass
-        # carrying the other requests' prompt chunks (first tokens 0.1-0.3 s later than with speculation off at 1
-        # client, ~0.8 s at 4: benchmarks/results/serve-scaling-arrive-f32/NOTES.md). The first token is the
-        # target's own; drafting starts at the second (a lookup draft, no drafter pass, may go at once).
-        first = self.prefill_target
         while True:
             remaining = self.progress.params.max_new_tokens - self.progress.position
             committed = self.progress.committed
-            cap = self.load_adaptive.cap(self.progress) if self.load_adaptive is not None and not first else None
-            k = 0 if first else self.progress.draft_length(self.drafter is not None, cap)
-            first = False
+            cap = self.load_adaptive.cap(self.progress) if self.load_adaptive is not None else None
+            k = self.progress.draft_length(self.drafter is not None, cap)
             drafts = k > 0
             message, drafter_seconds, outcome = None, 0.0, None
             if speculation is not None:
