@@ -333,4 +333,3 @@ def test_requests_whose_prompts_are_being_fed_count_in_the_load_the_cap_is_chose
     first.position += 1
     clock.now += 0.25
     assert adaptive.cap(first) == 5 and set(adaptive.running) == {first}
-
