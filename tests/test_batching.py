@@ -423,24 +423,27 @@ def test_a_lone_request_drafts_on_its_own_acceptance_not_on_the_request_before()
 
 
 def test_a_step_that_feeds_a_prompt_prices_nothing(engine):
-    """A request that starts at once feeds its prompt in its first step's passes: measured as a step of 1 + k
-    tokens, such a step read as dear and held a lone request at k = 0."""
+    """A request that starts at once feeds the target its prompt in its first step and the drafter its own at its
+    first draft (the second step: the first token is the target's own): measured as a step of 1 + k tokens, such a
+    step read as dear and held a lone request at k = 0."""
     decoder = engine.decoder(load_adaptive=True)
-    request = engine.request(PROMPTS[2], {"max_new_tokens": 6},
+    request = engine.request(PROMPTS[2], {"max_new_tokens": 8},
                              speculation={"algorithm": "slem", "load_adaptive": True})
     decoder.add(request)
     try:
         decoder.step()
-        assert decoder.adaptive.seconds == {}
-        first = request.position
+        assert request.position == 1 and decoder.adaptive.chosen == [] and decoder.adaptive.seconds == {}
         decoder.step()
-        assert sum(map(len, decoder.adaptive.seconds.values())) == 1
-        [(_, first_k), (rows, k)] = decoder.adaptive.chosen
+        [(_, first_k)] = decoder.adaptive.chosen
+        assert first_k > 0 and decoder.adaptive.seconds == {}, "the first draft fed the drafter's prompt"
+        second = request.position
+        decoder.step()
+        [_, (rows, k)] = decoder.adaptive.chosen
         [[seconds]] = decoder.adaptive.seconds.values()
         assert decoder.adaptive.seconds == {(1, k > 0): decoder.adaptive.seconds[1, k > 0]} and seconds > 0
-        # both steps' tokens count (what the request accepted), the second's seconds alone
-        assert (request.position - first, 1) in decoder.adaptive.committed[k > 0]
-        assert (first, 1) in decoder.adaptive.committed[first_k > 0]
+        # both drafting steps' tokens count (what the request accepted), the third's seconds alone
+        assert (request.position - second, 1) in decoder.adaptive.committed[k > 0]
+        assert (second - 1, 1) in decoder.adaptive.committed[True]
     finally:
         decoder.cancel(request)  # its KV rows: the models are shared by the whole session's tests
     assert engine.target.kv_pool.taken == set() and engine.drafter.kv_pool.taken == set()
@@ -619,3 +622,22 @@ def test_unseeded_sampling_draws_a_fresh_seed_that_reproduces_the_sample():
         assert again.token_ids == result.token_ids and again.stats.seed == result.stats.seed
     batched = engine.generate_batch(["ab c"] * 2, params)
     assert batched[0].stats.seed != batched[1].stats.seed
+
+
+def test_the_first_token_is_the_targets_own_and_drafting_starts_at_the_second():
+    """As served (the drafter's prompt is fed at its first draft there), so both runtimes draft alike and a seeded
+    sample is the same in process and served."""
+    target = language_model("target", target_tokenizer(), seed=0)
+    drafter = language_model("drafter", drafter_tokenizer(), seed=1)
+    engine = Engine(target, drafter)
+    request = engine.request("ab c", SamplingParams(max_new_tokens=8, ignore_eos=True),
+                             speculation=SpeculationConfig(algorithm="slem", draft_tokens=3))
+    decoder = BatchDecoder(target, drafter, engine.batching)
+    decoder.add(request)
+    try:
+        decoder.step()
+        assert request.position == 1 and request.stats.chosen_draft_tokens == 0
+        decoder.step()
+        assert request.stats.chosen_draft_tokens == 3
+    finally:
+        decoder.cancel(request)

@@ -158,14 +158,19 @@ def bigram_pair() -> Engine:
                   language_model("bigram drafter", tokenizer, 0, model=bigram_llama(drafter)))
 
 
-def bigram_case(engine: Engine, temperature: float = 1.0) -> tuple[dict, dict]:
-    params = SamplingParams(max_new_tokens=LENGTH, temperature=temperature, ignore_eos=True)
-    expected = sequence_distribution(engine.target, engine.target.encode_prompt("c"), LENGTH, temperature)
+def bigram_case(engine: Engine, temperature: float = 1.0, length: int = LENGTH) -> tuple[dict, dict]:
+    params = SamplingParams(max_new_tokens=length, temperature=temperature, ignore_eos=True)
+    expected = sequence_distribution(engine.target, engine.target.encode_prompt("c"), length, temperature)
     return exact_output(engine, "c", params, SpeculationConfig(algorithm="sd", draft_tokens=3)), expected
 
 
+# The first token is the target's own (no draft before it), so the rejected "a" and its redraft come from the
+# second step on: at LENGTH tokens the budget leaves that redraft no room (the mutant below went unseen).
+REDRAFT_LENGTH = LENGTH + 1
+
+
 def test_drafter_noise_is_fresh_after_a_rejection(bigram_pair):
-    output, expected = bigram_case(bigram_pair)
+    output, expected = bigram_case(bigram_pair, length=REDRAFT_LENGTH)
     assert total_variation(output, expected) < TOLERANCE
 
 
@@ -175,7 +180,7 @@ def test_mutant_drafter_noise_keyed_by_position_alone_is_caught(bigram_pair, mon
         return hetspec.sampling.uniform(seed, stream, position)
 
     monkeypatch.setattr(hetspec.algorithms.tli, "uniform", position_only)
-    output, expected = bigram_case(bigram_pair)
+    output, expected = bigram_case(bigram_pair, length=REDRAFT_LENGTH)
     assert total_variation(output, expected) > CAUGHT
 
 

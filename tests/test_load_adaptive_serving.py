@@ -333,3 +333,33 @@ def test_requests_whose_prompts_are_being_fed_count_in_the_load_the_cap_is_chose
     first.position += 1
     clock.now += 0.25
     assert adaptive.cap(first) == 5 and set(adaptive.running) == {first}
+
+
+def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pass(gemma, smollm):
+    """In step a drafter session opens without its prompt: drafted on the first step, that prefill held the first
+    token (first tokens later than with speculation off: serve-scaling-arrive-f32/NOTES.md). Drafting starts at the
+    second step, in process as served (``Progress.draft_length``); the output stays the target's."""
+    from deployments.coordinator import GenerationRequest
+
+    coordinator, _, drafter_worker = in_process_coordinator(gemma, smollm, speculation={"algorithm": "slem"},
+                                                            pipeline={"pipelined": False})
+    steps = []
+    coordinator._record_step = lambda algorithm, step: steps.append(step)
+    prompt = "def moving_average(values, window):\n    "
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    alone = Engine(gemma, smollm).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
+
+    async def run():
+        token_ids, drafter_passes_at_first = [], None
+        async for event in coordinator.run(coordinator.prepare(
+                GenerationRequest(prompt=prompt, algorithm="slem", params=params)), "test"):
+            if drafter_passes_at_first is None and event.token_ids:
+                drafter_passes_at_first = drafter_worker.passes.passes
+            token_ids += event.token_ids
+        await coordinator.admission.closes_done()
+        return token_ids, drafter_passes_at_first
+
+    token_ids, drafter_passes_at_first = asyncio.run(run())
+    assert token_ids == alone
+    assert drafter_passes_at_first == 0 and steps[0].drafted == 0
+    assert steps[1].drafted > 0 and drafter_worker.passes.passes > 0, "drafting from the second step on"
