@@ -141,6 +141,8 @@ class StepBatches:
         self.states: dict[int, str] = {}  # by member id
         self._pending: dict[tuple[int, str], list] = {}  # (worker, method) -> [(member, item, future)]
         self._first_pending: dict[tuple[int, str], float] = {}
+        self._sends = 0  # calls sent so far
+        self._last_sent: dict[tuple[int, str], int] = {}  # (worker, method) -> the count at its last call sent
         self._timer: asyncio.TimerHandle | None = None
 
     def join(self, member: object) -> None:
@@ -184,8 +186,11 @@ class StepBatches:
             return  # a call in flight returns soon and its members call again: wait for them
         now = time.monotonic()
         waiting_for_free = self.FREE in states
-        # the most waiting first: with one model at a time, the fewer follow once the first call is back
-        for key in sorted(self._pending, key=lambda key: -len(self._pending[key])):
+        # With one model at a time, the worker whose call went the longest ago first, then the most waiting: the
+        # fewer follow once the first call is back. By the count alone, a request drafting beside three decoding
+        # plain waited for the drafter until they had all finished, as they called the target again before every
+        # turn came round (a 22.7 s stall: benchmarks/results/serve-scaling-first-token-rounds2-f32/NOTES.md).
+        for key in sorted(self._pending, key=lambda key: (self._last_sent.get(key, -1), -len(self._pending[key]))):
             if not self._pending[key]:
                 del self._pending[key]
                 self._first_pending.pop(key, None)
@@ -205,6 +210,8 @@ class StepBatches:
     def _send(self, key: tuple[int, str]) -> None:
         entries = self._pending.pop(key)
         self._first_pending.pop(key, None)
+        self._sends += 1
+        self._last_sent[key] = self._sends
         for member, _, _, _ in entries:
             self.states[member] = self.IN_FLIGHT
         worker = entries[0][3]

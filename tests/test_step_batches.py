@@ -121,3 +121,31 @@ def test_with_one_model_at_a_time_the_others_wait_for_the_call_in_flight_and_the
         assert drafter.calls == [("draft_many", ["b", "a2"])], "one draft call for both: back in phase"
 
     asyncio.run(scenario())
+
+
+def test_with_one_model_at_a_time_a_lone_drafting_request_is_not_starved_by_the_decoding_ones():
+    """Three requests decoding plain call the target again as soon as each call is back; a fourth drafting
+    waited for the drafter until they had all finished (a 22.7 s stall in a served run). Its draft goes next."""
+    async def scenario():
+        batches, target, drafter = StepBatches(max_wait_s=60, one_model_at_a_time=True), Recorder(), Recorder()
+        plain, drafting = [object(), object(), object()], object()
+        for member in (*plain, drafting):
+            batches.join(member)
+
+        async def decode(member, steps):
+            for step in range(steps):
+                await batches.call(member, target, "verify_many", step)
+            batches.leave(member)
+
+        async def draft_then_verify():
+            await batches.call(drafting, drafter, "draft_many", "d")
+            await batches.call(drafting, target, "verify_many", "d")
+            batches.leave(drafting)
+
+        await asyncio.wait_for(asyncio.gather(*(decode(member, 6) for member in plain), draft_then_verify()), 2)
+        methods = [method for method, _ in target.calls + drafter.calls]
+        assert methods.count("verify_many") == 6 and drafter.calls == [("draft_many", ["d"])]
+        # the draft went after the first target call, and the drafting request's verify rode the second
+        assert target.calls[0] == ("verify_many", [0, 0, 0]) and target.calls[1] == ("verify_many", [1, 1, 1, "d"])
+
+    asyncio.run(scenario())
