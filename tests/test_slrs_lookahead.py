@@ -141,9 +141,14 @@ def test_psi_sums_to_one_and_reaches_tokens_a_single_drafter_token_cannot(engine
     assert float(single_token_psi[multi_character].sum()) == 0.0
 
 
-def generated_pairs(engine: Engine, seeds: int) -> tuple[list[tuple[int, ...]], int, int]:
-    """Two tokens per seed with SLRS lookahead 2; also the drafted and accepted totals."""
-    params = SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True)
+# Tokens generated per seed: the drafter drafts nothing before the first token, so the second step drafts the
+# one candidate the budget leaves (k = remaining - 1) and the third token follows an accept or a residual
+LENGTH = 3
+
+
+def generated_sequences(engine: Engine, seeds: int) -> tuple[list[tuple[int, ...]], int, int]:
+    """LENGTH tokens per seed with SLRS lookahead 2; also the drafted and accepted totals."""
+    params = SamplingParams(max_new_tokens=LENGTH, temperature=1.0, ignore_eos=True)
     speculation = SpeculationConfig(algorithm="slrs", slrs_lookahead=2)
     drafted = accepted = 0
     samples = []
@@ -156,29 +161,29 @@ def generated_pairs(engine: Engine, seeds: int) -> tuple[list[tuple[int, ...]], 
 
 
 @pytest.fixture(scope="module")
-def exact_pairs(target) -> dict[tuple[int, ...], float]:
-    return sequence_distribution(target, target.encode_prompt(PROMPT), 2, temperature=1.0)
+def exact_sequences(target) -> dict[tuple[int, ...], float]:
+    return sequence_distribution(target, target.encode_prompt(PROMPT), LENGTH, temperature=1.0)
 
 
-def test_lookahead_two_is_lossless(engine, exact_pairs):
-    """Two generated tokens, 1500 fixed seeds: the empirical distribution against the target's exact one."""
-    samples, drafted, accepted = generated_pairs(engine, 1500)
+def test_lookahead_two_is_lossless(engine, exact_sequences):
+    """LENGTH generated tokens, 1500 fixed seeds: the empirical distribution against the target's exact one."""
+    samples, drafted, accepted = generated_sequences(engine, 1500)
     assert drafted == 1500 and 0 < accepted < drafted  # both the accept and the residual path were taken
-    assert chi_square_pvalue(samples, exact_pairs) > 1e-3
+    assert chi_square_pvalue(samples, exact_sequences) > 1e-3
 
 
-def test_negative_control_candidates_not_drawn_from_psi_are_caught(engine, exact_pairs, monkeypatch):
+def test_negative_control_candidates_not_drawn_from_psi_are_caught(engine, exact_sequences, monkeypatch):
     """Drawing candidates from another distribution than the psi they are verified against (what an inexact
     psi amounts to; here proportional to 1/psi on psi's support) is lossy, and the test sees it with fewer seeds
-    than the real test uses (p ~ 1e-15 at 300 seeds)."""
+    than the real test uses (p ~ 3e-14 at 600 seeds)."""
     sample_from = hetspec.algorithms.slrs.sample_from
 
     def sample_from_inverse_psi(psi: torch.Tensor, u: float) -> int:
         return sample_from(torch.where(psi > 0, 1 / psi.clamp(min=1e-30), 0.0), u)
 
     monkeypatch.setattr(hetspec.algorithms.slrs, "sample_from", sample_from_inverse_psi)
-    samples, _, _ = generated_pairs(engine, 300)
-    assert chi_square_pvalue(samples, exact_pairs) < 1e-6
+    samples, _, _ = generated_sequences(engine, 600)
+    assert chi_square_pvalue(samples, exact_sequences) < 1e-6
 
 
 @pytest.mark.parametrize("lookahead", [2, 3])
