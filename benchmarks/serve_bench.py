@@ -7,7 +7,8 @@ from the gRPC API (``hetspec.v1.HetSpec/GenerateStream``, port 9000) or the Open
 (``/v1/completions`` with ``stream: true``, port 8000). It talks only to those public APIs.
 Reported per protocol and concurrency: output tokens/s over the whole run, requests/s, time to first
 token (TTFT), time per output token after the first (TPOT, one value per request), per-token latency
-(each streamed chunk's gap spread over the tokens it carries) as p50/p99, and the server's acceptance
+(each streamed chunk's gap spread over the tokens it carries) as p50/p99, the longest wait between two
+chunks of any request (a stalled request), and the server's acceptance
 statistics. Pipelined vs not is a request option (``--pipelined on|off``); one vs two replicas, or
 another pair, is a change of the Serve config (benchmarks/README.md).
 
@@ -55,6 +56,10 @@ class RequestTiming:
     tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     token_latencies: list[float] = field(default_factory=list)  # seconds per token, from chunk gaps
+    # the longest wait between two chunks after the first: a request stalled while others ran shows here, where a
+    # p99 over every token of a level hid a 22.7 s one among 512 (benchmarks/results/serve-scaling-first-token-
+    # rounds2-f32/NOTES.md)
+    longest_gap_seconds: float = 0.0
     stats: dict | None = None
     error: str | None = None
 
@@ -82,6 +87,7 @@ class ChunkClock:
             self.timing.first_token_seconds = now - self.started
         else:
             self.timing.token_latencies.extend([(now - self.last) / tokens] * tokens)
+            self.timing.longest_gap_seconds = max(self.timing.longest_gap_seconds, now - self.last)
         self.last = now
         self.timing.tokens += tokens
 
@@ -245,6 +251,7 @@ def summarize_load(protocol: str, concurrency: int, timings: list[RequestTiming]
         "ttft_ms": _percentiles([t.first_token_seconds for t in good if t.first_token_seconds is not None]),
         "tpot_ms": _percentiles([t.time_per_output_token for t in good if t.time_per_output_token is not None]),
         "token_latency_ms": _percentiles([latency for t in good for latency in t.token_latencies]),
+        "longest_gap_ms": max((t.longest_gap_seconds for t in good), default=0.0) * 1000.0,
         "acceptance_rate": float(np.mean([s.get("acceptance_rate", 0.0) for s in stats])) if stats else None,
         "tokens_per_target_pass": float(np.mean([s.get("mean_accepted_per_pass", 0.0) for s in stats])) if stats else None,
         "first_error": next((t.error for t in timings if t.error), None),
@@ -262,8 +269,8 @@ def markdown(result: dict) -> str:
     if result.get("note"):
         lines += [f"> {result['note']}", ""]
     lines += ["| protocol | clients | requests | errors | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-              "TPOT p99 ms | token p50 ms | token p99 ms | acceptance | tokens/target pass |",
-              "|" + "---|" * 14]
+              "TPOT p99 ms | token p50 ms | token p99 ms | longest gap ms | acceptance | tokens/target pass |",
+              "|" + "---|" * 15]
     for row in result["levels"]:
         def number(value, digits=1):
             return "-" if value is None else f"{value:.{digits}f}"
@@ -272,7 +279,7 @@ def markdown(result: dict) -> str:
                      f"{number(row['ttft_ms']['p50'])} | {number(row['ttft_ms']['p99'])} | "
                      f"{number(row['tpot_ms']['p50'])} | {number(row['tpot_ms']['p99'])} | "
                      f"{number(row['token_latency_ms']['p50'])} | {number(row['token_latency_ms']['p99'])} | "
-                     f"{number(row['acceptance_rate'], 2)} | {number(row['tokens_per_target_pass'], 2)} |")
+                     f"{number(row.get('longest_gap_ms'))} | {number(row['acceptance_rate'], 2)} | {number(row['tokens_per_target_pass'], 2)} |")
     measured = [row for row in result["levels"] if row.get("cpu")]
     if measured:
         lines += ["", "CPU time by process over each level (share of what the machine's cores give in its wall time; "

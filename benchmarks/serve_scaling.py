@@ -15,6 +15,12 @@ Steps, one after the other (never two at once on this machine):
 4. with ``--hf-after``, step 1 again (``hf-batched-after``): this shared machine's speed drifts (the same
    in-process decoding took 15 s and 22 s twenty minutes apart), and the server's levels sit between the two
    transformers runs; the ratios to transformers are then to the mean of both.
+5. with ``--hf-beside``, step 1 also at each level right before the server's methods (``hf-beside``, in a
+   process of its own while the server idles): measured minutes apart, not half an hour, so the ratio to it is
+   the one drift moves least. It runs beside the idle server's processes, which a user of transformers alone
+   would not have: that ratio leans towards the server, the one to steps 1 and 4 against it (a wave of 8 x 64
+   tokens: transformers 45.1 s beside the idle server, 47.9 s alone minutes later, the server 43.0-43.4 s;
+   the machine's drift larger than the idle server's cost).
 
 Each level sends ``--rounds`` times as many requests as clients (at least two), closed loop, ``--max-new-tokens``
 each; transformers runs as many batches. One round is one wave: requests that finish apart leave the batch
@@ -65,6 +71,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "a request's next chunk while the target verifies, so both models work on different requests")
     parser.add_argument("--hf-after", action="store_true",
                         help="run transformers' batched generate again after the servers, to bracket the machine's drift")
+    parser.add_argument("--hf-beside", action="store_true",
+                        help="also run transformers' batched generate at each level, right before the server's methods")
+    parser.add_argument("--transformers-only", action="store_true",
+                        help="only transformers' batched generate at --concurrency, into --out/hf.json (a level of "
+                        "--hf-beside; --config is taken as it is)")
     parser.add_argument("--reuse", action="store_true", help="keep the steps already measured in --out (hf.json, "
                         "raw/<label>-c<n>): a run cut short resumes where it stopped")
     args = parser.parse_args(argv)
@@ -158,6 +169,18 @@ class Served:
         self.log.close()
 
 
+def hf_beside(args: argparse.Namespace, config: Path, concurrency: int) -> dict:
+    """Transformers' level at ``concurrency`` in a process of its own (its memory goes when it ends), the
+    server idle meanwhile."""
+    out = args.out / "raw" / f"hf-beside-c{concurrency}"
+    if not (args.reuse and (out / "hf.json").exists()):
+        subprocess.run([sys.executable, "-m", "benchmarks.serve_scaling", "--transformers-only", "--config",
+                        str(config), "--concurrency", str(concurrency), "--rounds", str(args.rounds),
+                        "--max-new-tokens", str(args.max_new_tokens), "--task", args.task, "--out", str(out)],
+                       cwd=REPO, check=True)
+    return json.loads((out / "hf.json").read_text())[str(concurrency)]
+
+
 def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protocol: str, algorithm: str,
           folder: Path, extra: tuple[str, ...] = (), warmup: bool = True) -> dict:
     """serve_bench at each concurrency: {concurrency: {protocol: level row}}; ``warmup``: one request first."""
@@ -194,8 +217,10 @@ def markdown(result: dict) -> str:
     names = list(methods)
     levels = result["settings"]["concurrency"]
     transformers = "hf-batched (mean of both runs)" if "hf-batched-after" in methods else "hf-batched"
-    lines += ["| clients | " + " | ".join(names) + f" | served / 1 client | served / {transformers} | served / spec off |",
-              "|" + "---|" * (len(names) + 4)]
+    beside = "hf-beside" in methods
+    lines += ["| clients | " + " | ".join(names) + f" | served / 1 client | served / {transformers} | "
+              + ("served / hf-beside | " if beside else "") + "served / spec off |",
+              "|" + "---|" * (len(names) + 4 + beside)]
     served = methods.get("served-grpc", {})
     for concurrency in levels:
         cells = [f"{methods[name][concurrency]['tokens_per_second']:.2f}" if concurrency in methods[name] else "-"
@@ -210,14 +235,16 @@ def markdown(result: dict) -> str:
         scale = (f"{served[concurrency]['tokens_per_second'] / served[levels[0]]['tokens_per_second']:.2f}x"
                  if concurrency in served and levels[0] in served else "-")
         lines.append(f"| {concurrency} | " + " | ".join(cells) + f" | {scale} | {ratio('hf-batched', 'hf-batched-after')} | "
-                     f"{ratio('served-ar-grpc')} |")
-    lines += ["", "Latency of the batching server with speculation (ms, p50 / p99):", "",
-              "| clients | protocol | TTFT | TPOT | tokens per target pass |", "|---|---|---|---|---|"]
-    for name in ("served-grpc", "served-http"):
+                     + (f"{ratio('hf-beside')} | " if beside else "") + f"{ratio('served-ar-grpc')} |")
+    lines += ["", "Latency of the batching server (ms, p50 / p99; the longest wait between two chunks of any "
+              "request):", "",
+              "| clients | method | TTFT | TPOT | longest gap | tokens per target pass |", "|---|---|---|---|---|---|"]
+    for name in ("served-grpc", "served-http", "served-ar-grpc"):
         for concurrency, row in methods.get(name, {}).items():
-            lines.append(f"| {concurrency} | {row['protocol']} | {row['ttft_ms']['p50']:.0f} / "
+            gap = f"{row['longest_gap_ms']:.0f}" if row.get("longest_gap_ms") is not None else "-"
+            lines.append(f"| {concurrency} | {name} | {row['ttft_ms']['p50']:.0f} / "
                          f"{row['ttft_ms']['p99']:.0f} | {row['tpot_ms']['p50']:.0f} / {row['tpot_ms']['p99']:.0f} | "
-                         f"{row['tokens_per_target_pass'] or 0:.2f} |")
+                         f"{gap} | {row['tokens_per_target_pass'] or 0:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -233,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.transformers_only:
+        hf_levels(args, args.config, "hf.json")
+        return 0
     config = served_config(args, args.out)
     app = yaml.safe_load(config.read_text())["applications"][0]["args"]
     methods: dict[str, dict] = {}
@@ -249,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             # 10-16% in a run, which fell between speculation on and off when each ran all its levels in turn
             for concurrency in args.concurrency:
                 first = concurrency == args.concurrency[0]
+                if args.hf_beside and "hf" not in args.skip:
+                    methods.setdefault("hf-beside", {})[concurrency] = hf_beside(args, config, concurrency)
                 both = bench(args, "served", [concurrency], "both", "", args.out / "raw", warmup=first)
                 methods.setdefault("served-grpc", {})[concurrency] = both[concurrency]["grpc"]
                 methods.setdefault("served-http", {})[concurrency] = both[concurrency]["http"]

@@ -9,6 +9,7 @@ import grpc
 import httpx
 import pytest
 import torch
+import yaml
 
 from benchmarks import analysis, bench
 from benchmarks.meter import ForwardCall, cost_sizes
@@ -179,6 +180,8 @@ def test_serve_bench_grpc_clients_measure_streamed_tokens():
     for timing in timings:
         assert timing.error is None and timing.tokens == 7 and timing.first_token_seconds > 0
         assert len(timing.token_latencies) == 5  # every token after the first chunk's two
+        # a chunk's whole gap, where the latencies spread it over its tokens
+        assert timing.longest_gap_seconds >= 2 * max(timing.token_latencies[:2]) > 0
         assert timing.stats["acceptance_rate"] == 0.5
     sent = fake.requests[0]
     assert (sent.max_new_tokens, sent.algorithm, sent.draft_tokens) == (7, "slem", 4)
@@ -187,6 +190,7 @@ def test_serve_bench_grpc_clients_measure_streamed_tokens():
     assert level["errors"] == 0 and level["output_tokens"] == 35 and level["tokens_per_second"] > 0
     assert level["ttft_ms"]["p50"] > 0 and level["tpot_ms"]["p99"] >= level["tpot_ms"]["p50"]
     assert level["acceptance_rate"] == 0.5 and level["tokens_per_target_pass"] == 2.0
+    assert level["longest_gap_ms"] == max(timing.longest_gap_seconds for timing in timings) * 1000
 
 
 def test_serve_bench_http_client_parses_openai_stream_and_errors():
@@ -370,3 +374,44 @@ def test_batch_split_prices_both_prefills_and_decoding_on_the_small_target(capsy
     printed = capsys.readouterr().out
     assert "transformers padded prefill" in printed and "decoding pass" in printed
     assert "hetspec packed prefill" in printed and "hetspec one prompt a pass" in printed
+
+
+def test_serve_scaling_reports_each_ratio_and_the_longest_gap():
+    """The scaling table: served over 1 client, over transformers (both runs and, where measured, beside the
+    server at each level) and over speculation off; the latency table names each level's longest stall."""
+    from benchmarks.serve_scaling import markdown
+
+    def row(tokens_per_second, gap=None):
+        level = {"tokens_per_second": tokens_per_second, "protocol": "grpc", "ttft_ms": {"p50": 1.0, "p99": 2.0},
+                 "tpot_ms": {"p50": 3.0, "p99": 4.0}, "tokens_per_target_pass": 1.5}
+        return level if gap is None else {**level, "longest_gap_ms": gap}
+
+    meta = {"command": "python -m benchmarks.serve_scaling", "git_commit": "abc1234", "date": "2026-12-06",
+            "machine": {"cpu_model": "a CPU", "cpu_cores": 2}}
+    result = {"meta": meta, "settings": {"pair": "t <- d", "max_new_tokens": 64, "baseline_commit": None,
+                                         "concurrency": [1, 8]},
+              "methods": {"hf-batched": {1: row(4.0), 8: row(12.0)}, "hf-batched-after": {1: row(4.0), 8: row(14.0)},
+                          "hf-beside": {1: row(5.0), 8: row(10.0)},
+                          "served-grpc": {1: row(4.0, gap=300.0), 8: row(11.0, gap=22700.0)},
+                          "served-ar-grpc": {1: row(2.0), 8: row(11.0)}}}
+    table = markdown(result)
+    assert "served / hf-beside |" in table
+    assert "| 8 | 12.00 | 14.00 | 10.00 | 11.00 | 11.00 | 2.75x | 0.85x | 1.10x | 1.00x |" in table
+    assert "| 8 | served-grpc | 1 / 2 | 3 / 4 | 22700 | 1.50 |" in table
+    assert "| 1 | served-ar-grpc | 1 / 2 | 3 / 4 | - | 1.50 |" in table
+    del result["methods"]["hf-beside"]
+    assert "hf-beside" not in markdown(result) and "| 8 | 12.00 | 14.00 | 11.00 | 11.00 | 2.75x | 0.85x | 1.00x |" in markdown(result)
+
+
+def test_serve_scaling_runs_a_transformers_level_alone(tmp_path):
+    """``--transformers-only`` (a level of ``--hf-beside``, run in a process of its own): transformers' batched
+    generate of the config's target at that level, written where the scaling run reads it."""
+    from benchmarks.serve_scaling import main
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"args": {"target": {"model": "gemma3-270m",
+                                                                              "dtype": "float32"}}}]}))
+    assert main(["--transformers-only", "--config", str(config), "--concurrency", "2", "--rounds", "1",
+                 "--max-new-tokens", "3", "--out", str(tmp_path / "level")]) == 0
+    level = json.loads((tmp_path / "level" / "hf.json").read_text())["2"]
+    assert level["output_tokens"] == 2 * 3 and level["tokens_per_second"] > 0
