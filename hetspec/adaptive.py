@@ -15,7 +15,7 @@ models, both choices:
   both stay measured: EXPLORE steps apart at first, twice as far after each exploring step that leaves the
   choice where it was (up to EXPLORE_MAX), EXPLORE again once the choice moves, and never so close together that
   they take more than EXPLORE_BUDGET of the time (HOPELESS_BUDGET where drafting could not pay at the best
-  acceptance lately seen). An exploring step left out of the seconds is taken again, once:
+  acceptance lately seen), a budget not spent kept for at most BUDGET_WINDOW_S seconds' worth. An exploring step left out of the seconds is taken again, once:
   in the server the first drafting round after over 32 plain ones catches the drafter's context up and is left
   out, so once exploring steps came that far apart drafting was never timed again and stayed priced by its earlier
   steps (the likely cause of a served level at 1 client drafting once in 64 steps:
@@ -74,6 +74,12 @@ EXPLORE_BUDGET = 0.05
 # than plain decoding and left the level at 0.90x of speculation off (benchmarks/results/serve-scaling-spent-f32/
 # NOTES.md). Not never: it is what re-measures a batch size whose seconds, or a workload whose acceptance, changed.
 HOPELESS_BUDGET = 0.01
+# A budget not spent is kept for at most this many seconds' worth (a token bucket, one a budget: each accrues its
+# fraction of every step's seconds, every exploring step's extra is taken from both). Kept without a bound, the budget
+# of ten minutes at one client (exploring there cheap or free) was 30 s that the first minute at 8 clients could
+# spend at once, exploring rounds of 2-6 s as often as the schedule said: a served level at 8 clients 8% below
+# speculation off (benchmarks/results/serve-scaling-beside-f32/NOTES.md)
+BUDGET_WINDOW_S = 60.0
 
 
 class LoadAdaptive:
@@ -88,8 +94,9 @@ class LoadAdaptive:
         self.settled: bool | None = None  # the last choice made on the measure (not an exploring step's)
         self.exploring: bool | None = None  # the last exploring step's choice, until its step is recorded
         self.retry: bool | None = None  # that choice again: its step was left out of the seconds
-        self.elapsed = 0.0  # seconds of the steps recorded since the first choice on the measure
-        self.overspent = 0.0  # of those, what exploring steps took beyond a step of the settled choice
+        # each budget's seconds not spent, from the steps recorded since the first choice on the measure: what exploring
+        # steps took beyond a step of the settled choice is taken from it (below 0: spent ahead)
+        self.unspent = {EXPLORE_BUDGET: 0.0, HOPELESS_BUDGET: 0.0}
         self.chosen: list[tuple[int, int]] = []  # (batch size, k) per step, for the statistics
 
     def choose(self, own: dict) -> int | None:
@@ -141,7 +148,7 @@ class LoadAdaptive:
         if self.step_seconds(rows, not best) <= self.step_seconds(rows, best):
             return True
         could_pay = best or self.rate(rows, True, own, hopeful=own.keys()) > bar
-        return self.overspent <= (EXPLORE_BUDGET if could_pay else HOPELESS_BUDGET) * self.elapsed
+        return self.unspent[EXPLORE_BUDGET if could_pay else HOPELESS_BUDGET] >= 0
 
     def rate(self, rows: int, drafting: bool, requests=(), hopeful=()) -> float:
         """Tokens a second a step with this choice commits at ``rows`` requests, as measured; drafting's tokens a row
@@ -189,9 +196,11 @@ class LoadAdaptive:
         prompt, not k. A request that committed nothing fed its prompt in the step: its tokens say nothing of k."""
         drafting, rows = k > 0, len(committed)
         if self.settled is not None:
-            self.elapsed += seconds
+            extra = 0.0
             if drafting != self.settled:  # an exploring step or its retry
-                self.overspent += max(seconds - self.step_seconds(rows, self.settled), 0.0)
+                extra = max(seconds - self.step_seconds(rows, self.settled), 0.0)
+            for budget, left in self.unspent.items():
+                self.unspent[budget] = min(left + budget * seconds, budget * BUDGET_WINDOW_S) - extra
         if drafting == self.exploring:
             self.retry, self.exploring = (None if priced else drafting), None
         if priced:
