@@ -279,7 +279,8 @@ def markdown(result: dict) -> str:
                      f"{number(row['ttft_ms']['p50'])} | {number(row['ttft_ms']['p99'])} | "
                      f"{number(row['tpot_ms']['p50'])} | {number(row['tpot_ms']['p99'])} | "
                      f"{number(row['token_latency_ms']['p50'])} | {number(row['token_latency_ms']['p99'])} | "
-                     f"{number(row.get('longest_gap_ms'))} | {number(row['acceptance_rate'], 2)} | {number(row['tokens_per_target_pass'], 2)} |")
+                     f"{number(row.get('longest_gap_ms'))} | {number(row['acceptance_rate'], 2)} | "
+                     f"{number(row['tokens_per_target_pass'], 2)} |")
     measured = [row for row in result["levels"] if row.get("cpu")]
     if measured:
         lines += ["", "CPU time by process over each level (share of what the machine's cores give in its wall time; "

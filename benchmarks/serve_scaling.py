@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-after", action="store_true",
                         help="run transformers' batched generate again after the servers, to bracket the machine's drift")
     parser.add_argument("--hf-beside", action="store_true",
-                        help="also run transformers' batched generate at each level, right before the server's methods")
+                        help="also run transformers' batched generate at each level, right before the server's "
+                        "methods")
     parser.add_argument("--transformers-only", action="store_true",
                         help="only transformers' batched generate at --concurrency, into --out/hf.json (a level of "
                         "--hf-beside; --config is taken as it is)")

@@ -15,11 +15,11 @@ models, both choices:
   both stay measured: EXPLORE steps apart at first, twice as far after each exploring step that leaves the
   choice where it was (up to EXPLORE_MAX), EXPLORE again once the choice moves, and never so close together that
   they take more than EXPLORE_BUDGET of the time (HOPELESS_BUDGET where drafting could not pay at the best
-  acceptance lately seen), a budget not spent kept for at most BUDGET_WINDOW_S seconds' worth. An exploring step left out of the seconds is taken again, once:
-  in the server the first drafting round after over 32 plain ones catches the drafter's context up and is left
-  out, so once exploring steps came that far apart drafting was never timed again and stayed priced by its earlier
-  steps (the likely cause of a served level at 1 client drafting once in 64 steps:
-  benchmarks/results/serve-scaling-hopeful-f32/NOTES.md).
+  acceptance lately seen), a budget not spent kept for at most BUDGET_WINDOW_S seconds' worth. An exploring
+  step left out of the seconds is taken again, once: in the server the first drafting round after over 32 plain
+  ones catches the drafter's context up and is left out, so once exploring steps came that far apart drafting was
+  never timed again and stayed priced by its earlier steps (the likely cause of a served level at 1 client
+  drafting once in 64 steps: benchmarks/results/serve-scaling-hopeful-f32/NOTES.md).
 
 Why measured: a model of the passes' prices (a line fitted to the target's and the drafter's passes) and of
 acceptance (a geometric rate per drafted token) settled a lone request at k = 1 or 0 on a 2-core CPU, where

@@ -18,8 +18,8 @@ import torch
 
 from synthetic import drafter_tokenizer, language_model, target_tokenizer
 from hetspec import Engine, SamplingParams, SpeculationConfig
-from hetspec.adaptive import (BUDGET_WINDOW_S, DRAFT_MARGIN, EXPLORE, EXPLORE_BUDGET, EXPLORE_MAX, HOPELESS_BUDGET, MIN_STEPS,
-                              OWN_PRIOR_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive)
+from hetspec.adaptive import (BUDGET_WINDOW_S, DRAFT_MARGIN, EXPLORE, EXPLORE_BUDGET, EXPLORE_MAX, HOPELESS_BUDGET,
+                              MIN_STEPS, OWN_PRIOR_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive)
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
 from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
