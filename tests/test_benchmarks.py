@@ -416,3 +416,17 @@ def test_serve_scaling_runs_a_transformers_level_alone(tmp_path):
                  "--max-new-tokens", "3", "--out", str(tmp_path / "level")]) == 0
     level = json.loads((tmp_path / "level" / "hf.json").read_text())["2"]
     assert level["output_tokens"] == 2 * 3 and level["tokens_per_second"] > 0
+
+
+def test_serve_scaling_will_not_measure_a_server_it_did_not_start():
+    """A port something listens on is found taken (a server left running would answer the health check)."""
+    import socket
+
+    from benchmarks.serve_scaling import taken_ports
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert taken_ports((port,)) == [port]
+    assert taken_ports((port,)) == []
