@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from benchmarks import report
 from benchmarks.batch_bench import hf_batched
 from benchmarks.prompts import load_prompts
 from deployments.cpu_env import cpu_env
+from deployments.local_serve import port_free
 
 REPO = Path(__file__).resolve().parent.parent
 HEALTH_TIMEOUT_S = 1200
@@ -133,25 +133,13 @@ def hf_levels(args: argparse.Namespace, config: Path, file: str) -> dict:
 SERVED_PORTS = (8000, 9000)  # the configs' HTTP and gRPC ports
 
 
-def taken_ports(ports: tuple[int, ...], host: str = "127.0.0.1") -> list[int]:
-    """The ports of ``ports`` something already listens on."""
-    taken = []
-    for port in ports:
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                taken.append(port)
-    return taken
-
-
 class Served:
     """``serve run`` of a config from a checkout, in its own process group; stopped by SIGINT (Serve's path)."""
 
     def __init__(self, checkout: Path, config: Path, log: Path, use_cpu_env: bool = True):
         # a server left running would answer the health check and be measured in this one's place (a `serve run`
         # left from a probe once ran beside a run's first transformers level)
-        if taken := taken_ports(SERVED_PORTS):
+        if taken := [port for port in SERVED_PORTS if not port_free(port)]:
             raise RuntimeError(f"ports {taken} are in use (another server?): stop it first")
         # the environment the checkout's scripts/main.sh gives `serve run` (none before deployments/cpu.env)
         env_file = checkout / "deployments" / "cpu.env"

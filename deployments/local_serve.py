@@ -41,6 +41,16 @@ def _ephemeral_start() -> int:
         return 32768
 
 
+def port_free(port: int) -> bool:
+    """Whether nothing listens on ``port`` on any address now (a bind to it succeeds)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A port free on every address now, below the kernel's ephemeral range. A port the kernel picked for a
     bind to 0 lies in that range, where the dozens of Ray processes starting next bind their own: one took a
@@ -48,13 +58,8 @@ def free_port() -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(20000, max(20001, _ephemeral_start()))
-        if port in _HANDED_OUT:
+        if port in _HANDED_OUT or not port_free(port):
             continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
         _HANDED_OUT.add(port)
         return port
     with socket.socket() as sock:  # a crowded range: the kernel's choice

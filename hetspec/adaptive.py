@@ -76,8 +76,8 @@ EXPLORE_BUDGET = 0.05
 HOPELESS_BUDGET = 0.01
 # A budget not spent is kept for at most this many seconds' worth (a token bucket, one a budget: each accrues its
 # fraction of every step's seconds, every exploring step's extra is taken from both). Kept without a bound, the budget
-# of ten minutes at one client (exploring there cheap or free) was 30 s that the first minute at 8 clients could
-# spend at once, exploring rounds of 2-6 s as often as the schedule said: a served level at 8 clients 8% below
+# saved over ~7 minutes at 1-4 clients (exploring there cheap or free), up to ~20 s, was spent at once by the first
+# minute at 8 clients, exploring rounds of 2-6 s as often as the schedule said: that served level ran 8% below
 # speculation off (benchmarks/results/serve-scaling-beside-f32/NOTES.md)
 BUDGET_WINDOW_S = 60.0
 
