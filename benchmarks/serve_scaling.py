@@ -21,6 +21,9 @@ Steps, one after the other (never two at once on this machine):
    would not have: that ratio leans towards the server, the one to steps 1 and 4 against it (a wave of 8 x 64
    tokens: transformers 45.1 s beside the idle server, 47.9 s alone minutes later, the server 43.0-43.4 s;
    the machine's drift larger than the idle server's cost).
+6. with ``--repeats n``, each level's server methods n times, the order reversed every other time (ABBA): a
+   level's rows pool the repeats' requests, and each repeat's ratio to speculation off is reported, so a
+   difference can be told from the drift between two runs of one method (10% a level in two runs of 16e42ca).
 
 Each level sends ``--rounds`` times as many requests as clients (at least two), closed loop, ``--max-new-tokens``
 each; transformers runs as many batches. One round is one wave: requests that finish apart leave the batch
@@ -47,6 +50,7 @@ import yaml
 from benchmarks import report
 from benchmarks.batch_bench import hf_batched
 from benchmarks.prompts import load_prompts
+from benchmarks.serve_bench import RequestTiming, summarize_load
 from deployments.cpu_env import cpu_env
 from deployments.local_serve import port_free
 
@@ -78,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--transformers-only", action="store_true",
                         help="only transformers' batched generate at --concurrency, into --out/hf.json (a level of "
                         "--hf-beside; --config is taken as it is)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each level's server methods this many times, the order reversed every other time")
     parser.add_argument("--reuse", action="store_true", help="keep the steps already measured in --out (hf.json, "
                         "raw/<label>-c<n>): a run cut short resumes where it stopped")
     args = parser.parse_args(argv)
@@ -191,11 +197,11 @@ def hf_beside(args: argparse.Namespace, config: Path, concurrency: int) -> dict:
 
 
 def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protocol: str, algorithm: str,
-          folder: Path, extra: tuple[str, ...] = (), warmup: bool = True) -> dict:
+          folder: Path, extra: tuple[str, ...] = (), warmup: bool = True, repeat: int = 0) -> dict:
     """serve_bench at each concurrency: {concurrency: {protocol: level row}}; ``warmup``: one request first."""
     levels: dict = {}
     for concurrency in concurrencies:
-        out = folder / f"{label}-c{concurrency}"
+        out = folder / (f"{label}-c{concurrency}" + (f"-r{repeat}" if repeat else ""))
         if args.reuse and (out / "results.json").exists():
             rows = json.loads((out / "results.json").read_text())["levels"]
             levels[concurrency] = {row["protocol"]: row for row in rows}
@@ -215,6 +221,17 @@ def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protoc
     return levels
 
 
+def pooled(rows: list[dict]) -> dict:
+    """One level's rows from several repeats as one: every request's timings over the repeats' summed wall time,
+    and each repeat's tokens/s."""
+    if len(rows) == 1:
+        return rows[0]
+    timings = [RequestTiming(**timing) for row in rows for timing in row["timings"]]
+    level = summarize_load(rows[0]["protocol"], rows[0]["concurrency"], timings,
+                           sum(row["wall_seconds"] for row in rows))
+    return level | {"tokens_per_second_by_repeat": [row["tokens_per_second"] for row in rows]}
+
+
 def markdown(result: dict) -> str:
     meta, methods = result["meta"], result["methods"]
     lines = [f"# Served throughput by concurrency ({result['settings']['pair']})", "",
@@ -227,9 +244,11 @@ def markdown(result: dict) -> str:
     levels = result["settings"]["concurrency"]
     transformers = "hf-batched (mean of both runs)" if "hf-batched-after" in methods else "hf-batched"
     beside = "hf-beside" in methods
+    repeated = any("tokens_per_second_by_repeat" in row for row in methods.get("served-grpc", {}).values())
     lines += ["| clients | " + " | ".join(names) + f" | served / 1 client | served / {transformers} | "
-              + ("served / hf-beside | " if beside else "") + "served / spec off |",
-              "|" + "---|" * (len(names) + 4 + beside)]
+              + ("served / hf-beside | " if beside else "") + "served / spec off |"
+              + (" served / spec off, each repeat |" if repeated else ""),
+              "|" + "---|" * (len(names) + 4 + beside + repeated)]
     served = methods.get("served-grpc", {})
     for concurrency in levels:
         cells = [f"{methods[name][concurrency]['tokens_per_second']:.2f}" if concurrency in methods[name] else "-"
@@ -244,7 +263,8 @@ def markdown(result: dict) -> str:
         scale = (f"{served[concurrency]['tokens_per_second'] / served[levels[0]]['tokens_per_second']:.2f}x"
                  if concurrency in served and levels[0] in served else "-")
         lines.append(f"| {concurrency} | " + " | ".join(cells) + f" | {scale} | {ratio('hf-batched', 'hf-batched-after')} | "
-                     + (f"{ratio('hf-beside')} | " if beside else "") + f"{ratio('served-ar-grpc')} |")
+                     + (f"{ratio('hf-beside')} | " if beside else "") + f"{ratio('served-ar-grpc')} |"
+                     + (f" {each_repeat(methods, concurrency)} |" if repeated else ""))
     lines += ["", "Latency of the batching server (ms, p50 / p99; the longest wait between two chunks of any "
               "request):", "",
               "| clients | method | TTFT | TPOT | longest gap | tokens per target pass |", "|---|---|---|---|---|---|"]
@@ -255,6 +275,13 @@ def markdown(result: dict) -> str:
                          f"{row['ttft_ms']['p99']:.0f} | {row['tpot_ms']['p50']:.0f} / {row['tpot_ms']['p99']:.0f} | "
                          f"{gap} | {row['tokens_per_target_pass'] or 0:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def each_repeat(methods: dict, concurrency: int) -> str:
+    """The served (gRPC) over speculation off ratio of each repeat of a level, the two measured back to back."""
+    served = methods.get("served-grpc", {}).get(concurrency, {}).get("tokens_per_second_by_repeat", [])
+    spec_off = methods.get("served-ar-grpc", {}).get(concurrency, {}).get("tokens_per_second_by_repeat", [])
+    return ", ".join(f"{mine / theirs:.2f}x" for mine, theirs in zip(served, spec_off)) or "-"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -277,12 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     methods: dict[str, dict] = {}
     if "hf" not in args.skip:
         methods["hf-batched"] = hf_levels(args, config, "hf.json")
-    def measured(label: str, levels: list[int]) -> bool:
-        return args.reuse and all((args.out / "raw" / f"{label}-c{c}" / "results.json").exists() for c in levels)
+    runs = [("served", "both", "", ()), ("served-ar", "grpc", "ar", ())] + (
+        [("served-pipelined", "grpc", "", ("--pipelined", "on"))] if args.pipelined_too else [])
+
+    def measured(label: str, level: int) -> bool:
+        return args.reuse and all((args.out / "raw" / (f"{label}-c{level}" + (f"-r{repeat}" if repeat else ""))
+                                   / "results.json").exists() for repeat in range(args.repeats))
 
     if "server" not in args.skip:
-        labels = ["served", "served-ar"] + (["served-pipelined"] if args.pipelined_too else [])
-        with (contextlib.nullcontext() if all(measured(label, args.concurrency) for label in labels)
+        with (contextlib.nullcontext() if all(measured(run[0], level) for run in runs for level in args.concurrency)
               else Served(REPO, config, args.out / "serve.log")):
             # a level's methods back to back, not one method over every level: this machine's speed drifts by
             # 10-16% in a run, which fell between speculation on and off when each ran all its levels in turn
@@ -290,15 +320,15 @@ def main(argv: list[str] | None = None) -> int:
                 first = concurrency == args.concurrency[0]
                 if args.hf_beside and "hf" not in args.skip:
                     methods.setdefault("hf-beside", {})[concurrency] = hf_beside(args, config, concurrency)
-                both = bench(args, "served", [concurrency], "both", "", args.out / "raw", warmup=first)
-                methods.setdefault("served-grpc", {})[concurrency] = both[concurrency]["grpc"]
-                methods.setdefault("served-http", {})[concurrency] = both[concurrency]["http"]
-                spec_off = bench(args, "served-ar", [concurrency], "grpc", "ar", args.out / "raw", warmup=first)
-                methods.setdefault("served-ar-grpc", {})[concurrency] = spec_off[concurrency]["grpc"]
-                if args.pipelined_too:
-                    overlapped = bench(args, "served-pipelined", [concurrency], "grpc", "", args.out / "raw",
-                                       ("--pipelined", "on"), warmup=first)
-                    methods.setdefault("served-pipelined-grpc", {})[concurrency] = overlapped[concurrency]["grpc"]
+                level_rows: dict[str, list[dict]] = {}
+                for repeat in range(args.repeats):
+                    for label, protocol, algorithm, extra in runs if repeat % 2 == 0 else runs[::-1]:
+                        measured_level = bench(args, label, [concurrency], protocol, algorithm, args.out / "raw",
+                                               extra, warmup=first and repeat == 0, repeat=repeat)
+                        for served_protocol, row in measured_level[concurrency].items():
+                            level_rows.setdefault(f"{label}-{served_protocol}", []).append(row)
+                for name, rows in level_rows.items():
+                    methods.setdefault(name, {})[concurrency] = pooled(rows)
     if args.baseline_commit and "baseline" not in args.skip:
         with tempfile.TemporaryDirectory() as scratch:
             worktree = Path(scratch) / "baseline"

@@ -404,6 +404,38 @@ def test_serve_scaling_reports_each_ratio_and_the_longest_gap():
     assert "hf-beside" not in without and "| 8 | 12.00 | 14.00 | 11.00 | 11.00 | 2.75x | 0.85x | 1.00x |" in without
 
 
+def test_serve_scaling_pools_the_repeats_of_a_level_and_reports_each_ratio():
+    """``--repeats``: a level's rows pool every request over the repeats' summed wall time, and the table adds
+    the served over speculation off ratio of each repeat (the two measured back to back)."""
+    from dataclasses import asdict
+
+    from benchmarks.serve_bench import RequestTiming
+    from benchmarks.serve_scaling import markdown, pooled
+
+    def level(tokens, wall, first_token):
+        timing = RequestTiming("grpc", "p", seconds=wall, first_token_seconds=first_token, tokens=tokens,
+                               token_latencies=[0.1] * (tokens - 1), longest_gap_seconds=0.5)
+        return {"protocol": "grpc", "concurrency": 1, "wall_seconds": wall, "tokens_per_second": tokens / wall,
+                "timings": [asdict(timing)]}
+
+    both = pooled([level(64, 16.0, 1.0), level(64, 32.0, 3.0)])
+    assert both["tokens_per_second"] == 128 / 48.0 and both["tokens_per_second_by_repeat"] == [4.0, 2.0]
+    assert both["output_tokens"] == 128 and both["ttft_ms"]["p50"] == 2000.0 and both["longest_gap_ms"] == 500.0
+    assert pooled([level(64, 16.0, 1.0)])["tokens_per_second"] == 4.0  # one repeat: its own row
+
+    def row(by_repeat):
+        return {"tokens_per_second": sum(by_repeat) / len(by_repeat), "tokens_per_second_by_repeat": by_repeat,
+                "protocol": "grpc", "ttft_ms": {"p50": 1.0, "p99": 2.0}, "tpot_ms": {"p50": 3.0, "p99": 4.0},
+                "tokens_per_target_pass": 1.0}
+
+    meta = {"command": "python -m benchmarks.serve_scaling", "git_commit": "abc1234", "date": "2026-12-06",
+            "machine": {"cpu_model": "a CPU", "cpu_cores": 2}}
+    result = {"meta": meta, "settings": {"pair": "t <- d", "max_new_tokens": 64, "baseline_commit": None,
+                                         "concurrency": [4]},
+              "methods": {"served-grpc": {4: row([9.0, 8.0, 10.0])}, "served-ar-grpc": {4: row([10.0, 8.0, 8.0])}}}
+    assert "| 4 | 9.00 | 8.67 | 1.00x | - | 1.04x | 0.90x, 1.00x, 1.25x |" in markdown(result)
+
+
 def test_serve_scaling_runs_a_transformers_level_alone(tmp_path):
     """``--transformers-only`` (a level of ``--hf-beside``, run in a process of its own): transformers' batched
     generate of the config's target at that level, written where the scaling run reads it."""
