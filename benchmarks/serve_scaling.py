@@ -139,6 +139,14 @@ def hf_levels(args: argparse.Namespace, config: Path, file: str) -> dict:
 SERVED_PORTS = (8000, 9000)  # the configs' HTTP and gRPC ports
 
 
+def in_own_session(command: list[str], **popen: object) -> subprocess.Popen:
+    """``command`` in a session (and process group) of its own, SIGINT at its default: a benchmark started in the
+    background of a script (``nohup ... &``) inherits SIGINT ignored (POSIX), and so did `serve run`, whose Ctrl-C
+    path (serve.shutdown()) then never ran: each stop waited out its timeout and ended in SIGKILL."""
+    return subprocess.Popen(command, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
+
+
 class Served:
     """``serve run`` of a config from a checkout, in its own process group; stopped by SIGINT (Serve's path)."""
 
@@ -155,9 +163,8 @@ class Served:
         self.log = log.open("w")
         self.log.write(f"# serve run {config} with {ray_env or 'no'} environment from deployments/cpu.env\n")
         self.log.flush()
-        self.process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)],
-                                        cwd=checkout, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = in_own_session([str(Path(sys.executable).parent / "serve"), "run", str(config)],
+                                      cwd=checkout, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> "Served":
         import httpx
@@ -178,6 +185,7 @@ class Served:
         try:
             self.process.wait(180)
         except subprocess.TimeoutExpired:
+            print(f"serve run did not stop within 180 s of SIGINT: killed (see {self.log.name})", file=sys.stderr)
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(30)
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)

@@ -450,6 +450,28 @@ def test_serve_scaling_runs_a_transformers_level_alone(tmp_path):
     assert level["output_tokens"] == 2 * 3 and level["tokens_per_second"] > 0
 
 
+def test_the_served_server_gets_sigint_even_when_the_benchmark_ignores_it():
+    """A benchmark run in a script's background has SIGINT ignored; the `serve run` it starts must not inherit
+    that, or SIGINT never reaches Serve's shutdown."""
+    import signal
+    import subprocess
+    import sys
+
+    from benchmarks.serve_scaling import in_own_session
+
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        child = in_own_session([sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT).__name__)"],
+                               stdout=subprocess.PIPE, text=True)
+        handler = child.communicate(timeout=60)[0].strip()
+        plain = subprocess.run([sys.executable, "-c", "import signal; print(int(signal.getsignal(signal.SIGINT)))"],
+                               capture_output=True, text=True, timeout=60).stdout.strip()
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+    assert handler == "default_int_handler"
+    assert plain == str(int(signal.SIG_IGN))  # what a plain child inherits: the case guarded against
+
+
 def test_serve_scaling_will_not_measure_a_server_it_did_not_start():
     """A port something listens on is found taken (a server left running would answer the health check)."""
     import socket
