@@ -436,6 +436,43 @@ def test_serve_scaling_pools_the_repeats_of_a_level_and_reports_each_ratio():
     assert "| 4 | 9.00 | 8.67 | 1.00x | - | 1.04x | 0.90x, 1.00x, 1.25x |" in markdown(result)
 
 
+def test_serve_scaling_repeats_each_level_in_abba_order(tmp_path, monkeypatch):
+    """``--repeats 2``: each level runs speculation on, off, then off, on (the machine's drift falls on both), into a
+    folder a repeat, and the level's row holds each repeat's tokens/s. The server is not started here: the driver's
+    order and bookkeeping are what is tested (the served runs are in benchmarks/results/)."""
+    import contextlib
+
+    from benchmarks import serve_scaling
+
+    calls = []
+
+    def bench(args, label, concurrencies, protocol, algorithm, folder, extra=(), warmup=True, repeat=0):
+        calls.append((label, concurrencies[0], repeat, warmup))
+        speed = 10.0 + len(calls)
+        protocols = ["grpc", "http"] if protocol == "both" else [protocol]
+        return {concurrencies[0]: {name: {"protocol": name, "concurrency": concurrencies[0], "wall_seconds": 64 / speed,
+                                          "tokens_per_second": speed, "timings": [
+                                              {"protocol": name, "prompt_id": "p", "seconds": 64 / speed,
+                                               "first_token_seconds": 1.0, "tokens": 64}]}
+                                   for name in protocols}}
+
+    monkeypatch.setattr(serve_scaling, "bench", bench)
+    monkeypatch.setattr(serve_scaling, "Served", lambda *args, **kwargs: contextlib.nullcontext())
+    monkeypatch.setattr(serve_scaling, "plot", lambda result, path: None)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{"args": {"target": {"model": "t", "dtype": "float32"},
+                                                                  "drafter": {"model": "d"}}}]}))
+    assert serve_scaling.main(["--config", str(config), "--concurrency", "1", "4", "--repeats", "2", "--skip", "hf",
+                               "baseline", "--out", str(tmp_path / "run")]) == 0
+    assert [call[:3] for call in calls] == [("served", 1, 0), ("served-ar", 1, 0), ("served-ar", 1, 1), ("served", 1, 1),
+                                            ("served", 4, 0), ("served-ar", 4, 0), ("served-ar", 4, 1), ("served", 4, 1)]
+    assert [call[3] for call in calls] == [True, True, False, False, False, False, False, False]  # warm-up: once
+    methods = json.loads((tmp_path / "run" / "result.json").read_text())["methods"]
+    assert methods["served-grpc"]["4"]["tokens_per_second_by_repeat"] == [15.0, 18.0]
+    assert methods["served-ar-grpc"]["4"]["tokens_per_second_by_repeat"] == [16.0, 17.0]
+    assert "0.94x, 1.06x" in (tmp_path / "run" / "README.md").read_text()
+
+
 def test_serve_scaling_runs_a_transformers_level_alone(tmp_path):
     """``--transformers-only`` (a level of ``--hf-beside``, run in a process of its own): transformers' batched
     generate of the config's target at that level, written where the scaling run reads it."""
