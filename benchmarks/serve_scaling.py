@@ -204,12 +204,18 @@ def hf_beside(args: argparse.Namespace, config: Path, concurrency: int) -> dict:
     return json.loads((out / "hf.json").read_text())[str(concurrency)]
 
 
+def level_folder(label: str, concurrency: int, repeat: int) -> str:
+    """Where a method's level (and repeat) keeps its serve_bench results under raw/ (the first repeat unnumbered,
+    as runs without --repeats wrote it, so --reuse reads those)."""
+    return f"{label}-c{concurrency}" + (f"-r{repeat}" if repeat else "")
+
+
 def bench(args: argparse.Namespace, label: str, concurrencies: list[int], protocol: str, algorithm: str,
           folder: Path, extra: tuple[str, ...] = (), warmup: bool = True, repeat: int = 0) -> dict:
     """serve_bench at each concurrency: {concurrency: {protocol: level row}}; ``warmup``: one request first."""
     levels: dict = {}
     for concurrency in concurrencies:
-        out = folder / (f"{label}-c{concurrency}" + (f"-r{repeat}" if repeat else ""))
+        out = folder / level_folder(label, concurrency, repeat)
         if args.reuse and (out / "results.json").exists():
             rows = json.loads((out / "results.json").read_text())["levels"]
             levels[concurrency] = {row["protocol"]: row for row in rows}
@@ -316,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         [("served-pipelined", "grpc", "", ("--pipelined", "on"))] if args.pipelined_too else [])
 
     def measured(label: str, level: int) -> bool:
-        return args.reuse and all((args.out / "raw" / (f"{label}-c{level}" + (f"-r{repeat}" if repeat else ""))
-                                   / "results.json").exists() for repeat in range(args.repeats))
+        return args.reuse and all((args.out / "raw" / level_folder(label, level, repeat) / "results.json").exists()
+                                  for repeat in range(args.repeats))
 
     if "server" not in args.skip:
         with (contextlib.nullcontext() if all(measured(run[0], level) for run in runs for level in args.concurrency)
