@@ -34,8 +34,31 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_kernels() -> str:
+    """The instruction set torch's CPU kernels use here, and whether the CPU multiplies bfloat16 natively: the same
+    model's pass prices differ by this (bfloat16 on an AVX2-only EPYC cost 243 ms for 1 token and 898 ms for 6,
+    on one with avx512_bf16 189 ms and 207 ms; benchmarks/README.md, "Reading CPU numbers"), so every result
+    records it."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    native_bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    return f"{torch.backends.cpu.get_cpu_capability()}, bf16: {'+'.join(native_bf16) if native_bf16 else 'emulated'}"
+
+
+def describe_machine(machine: dict) -> str:
+    """'<cpu model> (<kernels>), <n> cores' for a result's Markdown; results recorded before ``cpu_kernels`` lack it."""
+    kernels = f" ({machine['cpu_kernels']})" if machine.get("cpu_kernels") else ""
+    return f"{machine['cpu_model']}{kernels}, {machine['cpu_cores']} cores"
+
+
 def machine_info(device: str) -> dict:
-    info = {"cpu_model": cpu_model(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu_model": cpu_model(), "cpu_kernels": cpu_kernels(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "device": device,
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
@@ -97,7 +120,7 @@ def markdown(result: dict) -> str:
            f"device {settings['device']}",
            f"- {settings['num_prompts']} prompts, {settings['max_new_tokens']} new tokens, "
            f"temperature {settings['temperature']}, chat template: {settings['chat']}",
-           f"- machine: {machine['cpu_model']}, {machine['cpu_cores']} cores, torch threads "
+           f"- machine: {describe_machine(machine)}, torch threads "
            f"{machine['torch_threads']}{', GPU ' + machine['gpu'] if machine.get('gpu') else ''}; "
            f"load average at start {machine.get('load_average')}",
            f"- date {meta['date']}, commit {meta['git_commit']}{' (uncommitted changes)' if meta['git_dirty'] else ''}",

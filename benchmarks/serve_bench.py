@@ -264,7 +264,7 @@ def markdown(result: dict) -> str:
              f"- grpc {settings['grpc']}, http {settings['http']}, model {settings['model']}",
              f"- {settings['requests']} requests per level, {settings['max_new_tokens']} new tokens, task "
              f"{settings['task']}, options {settings['options']}",
-             f"- machine {meta['machine']['cpu_model']}, {meta['machine']['cpu_cores']} cores; date {meta['date']}, "
+             f"- machine {report.describe_machine(meta['machine'])}; date {meta['date']}, "
              f"commit {meta['git_commit']}", f"- command: `{meta['command']}`", ""]
     if result.get("note"):
         lines += [f"> {result['note']}", ""]

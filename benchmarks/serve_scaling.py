@@ -250,7 +250,7 @@ def markdown(result: dict) -> str:
     meta, methods = result["meta"], result["methods"]
     lines = [f"# Served throughput by concurrency ({result['settings']['pair']})", "",
              f"Command: `{meta['command']}`  ", f"Commit: {meta['git_commit']}, {meta['date']}  ",
-             f"Machine: {meta['machine']['cpu_model']}, {meta['machine']['cpu_cores']} cores  ",
+             f"Machine: {report.describe_machine(meta['machine'])}  ",
              f"Baseline (unbatched server): {result['settings']['baseline_commit']}", "",
              "Total output tokens per second over each level (closed-loop clients, greedy, "
              f"{result['settings']['max_new_tokens']} new tokens, HumanEval prompts):", ""]

@@ -400,7 +400,7 @@ def markdown(result: dict) -> str:
     lines = [f"# hetspec soak: {settings['name']}", "",
              f"- {settings['clients']} clients for {settings['seconds'] / 60:.1f} min against {settings['url']} / "
              f"{settings['grpc']} (model {settings['model']}), {settings['max_new_tokens']} new tokens per request",
-             f"- machine {meta['machine']['cpu_model']}, {meta['machine']['cpu_cores']} cores, load average at start "
+             f"- machine {report.describe_machine(meta['machine'])}, load average at start "
              f"{meta['machine']['load_average']}; date {meta['date']}, commit {meta['git_commit']}",
              f"- command: `{meta['command']}`", "",
              f"**{summary['requests']} requests, {summary['served_ok']} served, {summary['unexpected_errors']} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import grpc
 import httpx
@@ -11,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from benchmarks import analysis, bench
+from benchmarks import analysis, bench, report
 from benchmarks.meter import ForwardCall, cost_sizes
 from benchmarks.methods import RunRecord, build_methods, hf_assistant_settings
 from benchmarks.prompts import load_prompts
@@ -84,6 +85,18 @@ def test_ideal_speedup_prices_passes_by_isolated_costs():
     assert analysis.draft_counts(assisted) == (12, 4)
 
 
+def test_results_name_the_cpu_kernels_and_read_results_recorded_without_them(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    kernels = report.cpu_kernels()
+    assert kernels.startswith("AVX2, bf16: ")
+    native = Path("/proc/cpuinfo").exists() and " avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    assert ("avx512_bf16" in kernels) == native and (kernels.endswith("emulated") or native
+                                                     or "amx_bf16" in kernels)
+    assert report.describe_machine({"cpu_model": "EPYC", "cpu_kernels": "AVX512, bf16: avx512_bf16",
+                                    "cpu_cores": 2}) == "EPYC (AVX512, bf16: avx512_bf16), 2 cores"
+    assert report.describe_machine({"cpu_model": "EPYC", "cpu_cores": 2}) == "EPYC, 2 cores"
+
+
 def test_prompt_sets_have_the_requested_sizes():
     assert [case.prompt_id for case in load_prompts("humaneval", 2)] == ["HumanEval/0", "HumanEval/1"]
     assert [case.prompt_id for case in load_prompts("humaneval", 3, offset=1, stride=16)] == [
@@ -137,6 +150,7 @@ def test_bench_end_to_end_on_the_small_pair(tmp_path):
     assert set(result["pass_costs"]["HumanEval/0"]) == {"target", "drafter"}
     markdown = (tmp_path / "results.md").read_text()
     assert "| slrs/k3 |" in markdown and meta["git_commit"] in markdown
+    assert f"({meta['machine']['cpu_kernels']})" in markdown  # the same model's prices differ by the kernels
     for name in ("speedup.png", "acceptance.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
