@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from hetspec.linear import native_bfloat16
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,19 +38,9 @@ def cpu_model() -> str:
 
 def cpu_kernels() -> str:
     """The instruction set torch's CPU kernels use here, and whether the CPU multiplies bfloat16 natively: the same
-    model's pass prices differ by this (bfloat16 on an AVX2-only EPYC cost 243 ms for 1 token and 898 ms for 6,
-    on one with avx512_bf16 189 ms and 207 ms; benchmarks/README.md, "Reading CPU numbers"), so every result
-    records it."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    native_bf16 = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    return f"{torch.backends.cpu.get_cpu_capability()}, bf16: {'+'.join(native_bf16) if native_bf16 else 'emulated'}"
+    model's pass prices differ by this (``hetspec.linear.slow_dtype_warning``), so every result records it."""
+    return (f"{torch.backends.cpu.get_cpu_capability()}, "
+            f"bf16: {'native' if native_bfloat16() else 'emulated'}")
 
 
 def describe_machine(machine: dict) -> str:

@@ -1,4 +1,5 @@
-"""float32 Linear layers on the CPU through oneDNN with their weights converted once (``linear="onednn"``).
+"""float32 Linear layers on the CPU through oneDNN with their weights converted once (``linear="onednn"``), and
+whether bfloat16 is native on this CPU (``slow_dtype_warning``).
 
 torch's default float32 ``Linear`` on the CPU calls MKL's sgemm. On this project's AMD EPYC machine that path
 makes a pass over a few tokens cost about two passes of one (Qwen2.5-Coder-1.5B, 150-token context: 361 ms for
@@ -54,6 +55,24 @@ def uses_onednn(backend: str, dtype: torch.dtype, device: torch.device | str, qu
         raise ValueError("linear='onednn': this torch was built without oneDNN")
     return quantize == "none" and (backend == "onednn" or (backend == "auto" and fits
                                                            and torch.backends.mkldnn.is_available()))
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX), as torch's CPU kernels see it."""
+    # torch.cpu's probes are private, but they are what its kernels dispatch on (cpuinfo), on every OS
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def slow_dtype_warning(dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """Why ``dtype`` makes passes slow on this device, or None. bfloat16 on a CPU without native instructions is
+    emulated: a pass over n tokens costs nearly n passes of one (Qwen2.5-Coder-1.5B on a 2-core AVX2-only EPYC:
+    243 ms for 1 token, 898 ms for 6; with avx512_bf16 189 ms and 207 ms), so neither speculation nor batching pays
+    there, and float32 on oneDNN was faster at every width (benchmarks/results/pass-cost-qwen-cpu/)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or native_bfloat16():
+        return None
+    return ("bfloat16 on this CPU has no native instructions (no AVX512-BF16 or AMX): a pass over n tokens costs "
+            "about n passes of one, so speculation and batching cannot pay; dtype float32 (its Linear layers on "
+            "oneDNN, linear='auto') is faster here")
 
 
 def convert_linear_layers(model: torch.nn.Module) -> int:

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from hetspec import registry
 from hetspec.config import require_unicode
 from hetspec.kv import KVPool, KVSession
-from hetspec.linear import convert_linear_layers, uses_onednn
+from hetspec.linear import convert_linear_layers, slow_dtype_warning, uses_onednn
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
             raise ValueError("quantize='int8' (torch dynamic quantization) runs on the CPU only")
         dtype = "float32"
     onednn = uses_onednn(linear, DTYPES[dtype], device, quantize)
+    if slow := slow_dtype_warning(DTYPES[dtype], device):
+        log.warning("hetspec: %s: %s", spec, slow)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for but CUDA is not available")
     if threads:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
-from hetspec.linear import OneDNNLinear, convert_linear_layers, uses_onednn
+from hetspec import linear
+from hetspec.linear import OneDNNLinear, convert_linear_layers, slow_dtype_warning, uses_onednn
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -58,6 +59,20 @@ def test_a_model_config_is_checked_by_the_same_rule_before_anything_loads():
     with pytest.raises(ValidationError, match="float32 models on the CPU"):
         ModelConfig(model="smollm2-135m", dtype="bfloat16", linear="onednn")
     assert ModelConfig(model="smollm2-135m", dtype="bfloat16", quantize="none").linear == "auto"
+
+
+def test_bfloat16_on_a_cpu_without_native_instructions_is_named_as_slow_at_load(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not linear.native_bfloat16()
+    assert "float32" in slow_dtype_warning(torch.bfloat16, "cpu")
+    for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda"), (torch.bfloat16, "cuda:1")):
+        assert slow_dtype_warning(dtype, device) is None
+    with caplog.at_level("WARNING", logger="hetspec.models"):
+        load_model("smollm2-135m", dtype="bfloat16")
+    assert "smollm2-135m: bfloat16 on this CPU has no native instructions" in caplog.text
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert linear.native_bfloat16() and slow_dtype_warning(torch.bfloat16, "cpu") is None
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
