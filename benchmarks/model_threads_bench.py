@@ -82,13 +82,13 @@ def _batched_pass_ms(passes, language_model, tokens: int) -> float:
             session.release()
 
 
-def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: int) -> float:
+def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: int, dtype: str = "float32") -> float:
     """Milliseconds per token in this process for ``setting``."""
     from deployments.model_threads import ModelThreads
     from hetspec.models import load_model
 
     def load():
-        return load_model(model_id, quantize=quantize, threads=threads)
+        return load_model(model_id, dtype=dtype, quantize=quantize, threads=threads)
 
     if setting == "batched, from the callers' threads":
         from hetspec.kv import SharedPasses
@@ -121,6 +121,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quantize", default="int8", choices=["none", "int8"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's dtype (int8 quantization loads float32 whatever this says)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per setting")
@@ -128,7 +130,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if args.setting:
-        print(json.dumps(measure(args.setting, args.model, args.quantize, args.threads, args.tokens)))
+        print(json.dumps(measure(args.setting, args.model, args.quantize, args.threads, args.tokens, args.dtype)))
         return
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     results = {}
@@ -136,7 +138,7 @@ def main() -> None:
         runs = []
         for _ in range(args.repeats):
             child = subprocess.run([sys.executable, "-m", "benchmarks.model_threads_bench", "--setting", setting,
-                                    "--model", args.model, "--quantize", args.quantize, "--threads",
+                                    "--model", args.model, "--quantize", args.quantize, "--dtype", args.dtype, "--threads",
                                     str(args.threads), "--tokens", str(args.tokens)],
                                    env=environment, capture_output=True, text=True, check=True)
             runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
@@ -144,7 +146,7 @@ def main() -> None:
         print(f"| {setting} | {results[setting]:.1f} | {', '.join(f'{run:.1f}' for run in runs)} |", flush=True)
     if args.out:
         with open(args.out, "w") as out:
-            json.dump({"model": args.model, "quantize": args.quantize, "threads": args.threads,
+            json.dump({"model": args.model, "quantize": args.quantize, "dtype": args.dtype, "threads": args.threads,
                        "tokens": args.tokens, "ms_per_token_median": results}, out, indent=2)
 
 
