@@ -147,7 +147,8 @@ def markdown(result: dict, algorithm: str) -> str:
     lines = [f"# Throughput by batch size ({result['settings']['target']} <- {result['settings']['drafter']})", "",
              f"Command: `{result['provenance']['command']}`  ", f"Commit: {result['provenance']['git_commit']} "
              f"(dirty: {result['provenance']['git_dirty']}), {result['provenance']['date']}  ",
-             f"Machine: {report.describe_machine(result['provenance']['machine'])}, torch threads {result['provenance']['machine']['torch_threads']}", "",
+             f"Machine: {report.describe_machine(result['provenance']['machine'])}, torch threads "
+             f"{result['provenance']['machine']['torch_threads']}", "",
              "Tokens per second (generated tokens up to EOS, all requests of the batch, over the batch's wall time):",
              "", "| batch | " + " | ".join(names) + f" | hetspec-{algorithm} / hf-batched | "
              f"hetspec-{algorithm} / hetspec-ar | adaptive / hf-batched | adaptive / hetspec-ar | adaptive mean k |",

@@ -138,16 +138,16 @@ def main() -> None:
         runs = []
         for _ in range(args.repeats):
             child = subprocess.run([sys.executable, "-m", "benchmarks.model_threads_bench", "--setting", setting,
-                                    "--model", args.model, "--quantize", args.quantize, "--dtype", args.dtype, "--threads",
-                                    str(args.threads), "--tokens", str(args.tokens)],
+                                    "--model", args.model, "--quantize", args.quantize, "--dtype", args.dtype,
+                                    "--threads", str(args.threads), "--tokens", str(args.tokens)],
                                    env=environment, capture_output=True, text=True, check=True)
             runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
         results[setting] = sorted(runs)[len(runs) // 2]
         print(f"| {setting} | {results[setting]:.1f} | {', '.join(f'{run:.1f}' for run in runs)} |", flush=True)
     if args.out:
         with open(args.out, "w") as out:
-            json.dump({"model": args.model, "quantize": args.quantize, "dtype": args.dtype, "threads": args.threads,
-                       "tokens": args.tokens, "ms_per_token_median": results}, out, indent=2)
+            json.dump({"model": args.model, "quantize": args.quantize, "dtype": args.dtype,
+                       "threads": args.threads, "tokens": args.tokens, "ms_per_token_median": results}, out, indent=2)
 
 
 if __name__ == "__main__":

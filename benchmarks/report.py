@@ -50,7 +50,8 @@ def describe_machine(machine: dict) -> str:
 
 
 def machine_info(device: str) -> dict:
-    info = {"cpu_model": cpu_model(), "cpu_kernels": cpu_kernels(), "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu_model": cpu_model(), "cpu_kernels": cpu_kernels(), "cpu_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "device": device,
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
