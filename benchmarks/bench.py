@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lookup", nargs="+", choices=["off", "auto", "always"], default=["off"],
                         help="hetspec context lookup modes to run each hetspec method with (SpeculationConfig.lookup); "
                              "ar runs without lookup (the baseline) and with each other mode")
+    parser.add_argument("--lookup-min-match", type=int, nargs="+",
+                        help="SpeculationConfig.lookup_min_match settings (bytes) to run each lookup mode with "
+                             "(default: its default alone)")
     parser.add_argument("--hf-lookup-tokens", type=int, nargs="+", default=[10],
                         help="hf-lookup: transformers' prompt_lookup_num_tokens settings")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -170,7 +173,8 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     families = [name.strip() for name in args.algorithms.split(",") if name.strip()]
     hf_drafts = args.hf_drafts or ["default", *map(str, args.draft_tokens)]
     methods = build_methods(families, args.draft_tokens, args.adaptive, hf_drafts, same_vocabulary,
-                            tuple(args.tree_widths), tuple(args.lookup), tuple(args.hf_lookup_tokens))
+                            tuple(args.tree_widths), tuple(args.lookup), tuple(args.hf_lookup_tokens),
+                            tuple(args.lookup_min_match or [None]))
     runner = Runner(engine, params, args.chat, same_vocabulary, adaptive_start=max(args.draft_tokens),
                     confidence_threshold=args.confidence_threshold)
     records: list[RunRecord] = []
@@ -201,6 +205,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
                 "adaptive": args.adaptive, "confidence_threshold": args.confidence_threshold,
                 "tree_widths": args.tree_widths, "drafter_quantize": args.drafter_quantize,
                 "lookup": args.lookup, "hf_lookup_tokens": args.hf_lookup_tokens,
+                "lookup_min_match": args.lookup_min_match,
                 "same_vocabulary": same_vocabulary, "methods": [m.name for m in methods],
                 "hf_assisted_settings": {draft: runner.effective_assistant_settings(draft) for draft in hf_drafts}}
     result = {"meta": meta, "settings": settings, "note": args.note, "headline": analysis.headline(summary),

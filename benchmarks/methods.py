@@ -15,7 +15,8 @@ Methods:
   draft setting, its default n-gram sizes), the peer of hetspec's context lookup.
 
 Any hetspec method may add context lookup drafts (``SpeculationConfig.lookup``): ``ar+lookup-always`` is
-hetspec's prompt lookup alone (no drafter), ``slem/k5+lookup-auto`` lookup and drafter per step.
+hetspec's prompt lookup alone (no drafter), ``slem/k5+lookup-auto`` lookup and drafter per step;
+``slem/k5+lookup-auto/m6`` the same with ``lookup_min_match`` 6 bytes (``--lookup-min-match``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class MethodSpec:
     draft: str = "-"
     tree_width: int = 1  # slem: branches per depth of the draft tree (1: a chain)
     lookup: str = "off"  # hetspec families: SpeculationConfig.lookup
+    lookup_min_match: int | None = None  # SpeculationConfig.lookup_min_match where set (None: its default)
 
     @property
     def name(self) -> str:
@@ -53,7 +55,10 @@ class MethodSpec:
         if self.draft != "-":
             name = f"{self.family}/k{self.draft}" if self.draft.isdigit() else f"{self.family}/{self.draft}"
         name = name if self.tree_width == 1 else f"{name}/tree{self.tree_width}"
-        return name if self.lookup == "off" else f"{name}+lookup-{self.lookup}"
+        if self.lookup == "off":
+            return name
+        name = f"{name}+lookup-{self.lookup}"
+        return name if self.lookup_min_match is None else f"{name}/m{self.lookup_min_match}"
 
     @property
     def uses_drafter(self) -> bool:
@@ -67,9 +72,13 @@ class MethodSpec:
 
 def build_methods(families: list[str], draft_tokens: list[int], adaptive: bool, hf_drafts: list[str],
                   same_vocabulary: bool, tree_widths: tuple[int, ...] = (1,), lookups: tuple[str, ...] = ("off",),
-                  hf_lookup_tokens: tuple[int, ...] = (10,)) -> list[MethodSpec]:
+                  hf_lookup_tokens: tuple[int, ...] = (10,),
+                  lookup_min_matches: tuple[int | None, ...] = (None,)) -> list[MethodSpec]:
     """Every (family, draft setting, lookup mode) to run; ``sd`` only for a pair with one vocabulary; trees
-    for slem only; ``ar`` always runs without lookup (the baseline) and once per other lookup mode."""
+    for slem only; ``ar`` always runs without lookup (the baseline) and once per other lookup mode. Each
+    lookup mode other than off runs once per ``lookup_min_matches`` (None: SpeculationConfig's default)."""
+    lookup_variants = [("off", None)] * ("off" in lookups) + [
+        (mode, min_match) for mode in lookups if mode != "off" for min_match in lookup_min_matches]
     unknown = set(families) - set(FAMILIES)
     if unknown:
         raise ValueError(f"unknown algorithms {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
@@ -79,7 +88,8 @@ def build_methods(families: list[str], draft_tokens: list[int], adaptive: bool, 
             methods.append(MethodSpec(family))
         elif family == "ar":
             methods.append(MethodSpec(family))
-            methods.extend(MethodSpec(family, lookup=mode) for mode in lookups if mode != "off")
+            methods.extend(MethodSpec(family, lookup=mode, lookup_min_match=min_match)
+                           for mode, min_match in lookup_variants if mode != "off")
         elif family == "hf-assisted":
             methods.extend(MethodSpec(family, draft) for draft in hf_drafts)
         elif family == "hf-lookup":
@@ -87,11 +97,11 @@ def build_methods(families: list[str], draft_tokens: list[int], adaptive: bool, 
         elif family == "sd" and not same_vocabulary:
             continue
         else:
-            for mode in lookups:
+            for mode, min_match in lookup_variants:
                 for width in tree_widths if family == "slem" else (1,):
-                    methods.extend(MethodSpec(family, str(k), width, mode) for k in draft_tokens)
+                    methods.extend(MethodSpec(family, str(k), width, mode, min_match) for k in draft_tokens)
                     if adaptive:
-                        methods.append(MethodSpec(family, "adaptive", width, mode))
+                        methods.append(MethodSpec(family, "adaptive", width, mode, min_match))
     return methods
 
 
@@ -181,6 +191,8 @@ class Runner:
     def _run_hetspec(self, spec: MethodSpec, case: PromptCase, params: SamplingParams):
         speculation = {"algorithm": spec.family, "confidence_threshold": self.confidence_threshold,
                        "tree_width": spec.tree_width, "lookup": spec.lookup}
+        if spec.lookup_min_match is not None:
+            speculation["lookup_min_match"] = spec.lookup_min_match
         if spec.draft == "adaptive":
             speculation.update(adaptive=True, draft_tokens=self.adaptive_start)
         elif spec.uses_drafter:

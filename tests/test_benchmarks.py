@@ -40,6 +40,11 @@ def test_build_methods_skips_sd_for_different_vocabularies_and_names_settings():
     assert same == ["sd/k4"]
     with pytest.raises(ValueError, match="unknown algorithms"):
         build_methods(["medusa"], [3], False, [], same_vocabulary=False)
+    lookups = build_methods(["ar", "slem"], [5], False, [], same_vocabulary=False, lookups=("off", "auto"),
+                            lookup_min_matches=(4, 12))
+    assert [m.name for m in lookups] == ["ar", "ar+lookup-auto/m4", "ar+lookup-auto/m12", "slem/k5",
+                                         "slem/k5+lookup-auto/m4", "slem/k5+lookup-auto/m12"]
+    assert [m.lookup_min_match for m in lookups] == [None, 4, 12, None, 4, 12]
 
 
 def test_fixed_hf_draft_length_turns_off_the_confidence_stop():
@@ -113,7 +118,7 @@ def test_bench_end_to_end_on_the_small_pair(tmp_path):
         status = bench.main(["--pair", "small", "--task", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
                              "--draft-tokens", "3",
                              "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted,hf-lookup", "--hf-drafts", "3",
-                             "--lookup", "off", "always", "--hf-lookup-tokens", "4", "--warmup-tokens", "2",
+                             "--lookup", "off", "always", "--lookup-min-match", "6", "--hf-lookup-tokens", "4", "--warmup-tokens", "2",
                              "--cost-repeats", "1", "--threads", "1",
                              "--out", str(tmp_path)])
     finally:
@@ -121,9 +126,9 @@ def test_bench_end_to_end_on_the_small_pair(tmp_path):
     assert status == 0
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {row["method"]: row for row in result["summary"]}
-    assert list(rows) == ["ar", "ar+lookup-always", "slem/k3", "slem/k3+lookup-always", "tli/k3",
-                          "tli/k3+lookup-always", "slrs/k3", "slrs/k3+lookup-always", "hf-greedy", "hf-assisted/k3",
-                          "hf-lookup/k4"]  # no sd: two vocabularies
+    assert list(rows) == ["ar", "ar+lookup-always/m6", "slem/k3", "slem/k3+lookup-always/m6", "tli/k3",
+                          "tli/k3+lookup-always/m6", "slrs/k3", "slrs/k3+lookup-always/m6", "hf-greedy",
+                          "hf-assisted/k3", "hf-lookup/k4"]  # no sd: two vocabularies
     for name, row in rows.items():
         assert row["tokens"] == 8 and row["tokens_per_second"] > 0 and row["ms_per_token"] > 0
         assert row["speedup_vs_ar_median"] > 0 and row["speedup_vs_ar_geomean"] > 0
@@ -142,7 +147,8 @@ def test_bench_end_to_end_on_the_small_pair(tmp_path):
     assert meta["machine"]["cpu_cores"] >= 1 and meta["machine"]["torch_threads"] >= 1 and meta["date"]
     assert result["headline"]["best_hetspec"] in rows
     assert result["headline"]["best_hf"] in ("hf-assisted/k3", "hf-lookup/k4")
-    assert rows["ar+lookup-always"]["lookup"] == "always" and rows["hf-lookup/k4"]["lookup"] == "hf"
+    assert rows["ar+lookup-always/m6"]["lookup"] == "always" and rows["hf-lookup/k4"]["lookup"] == "hf"
+    assert result["settings"]["lookup_min_match"] == [6]
     assert set(result["pass_costs"]["HumanEval/0"]) == {"target", "drafter"}
     markdown = (tmp_path / "results.md").read_text()
     assert "| slrs/k3 |" in markdown and meta["git_commit"] in markdown
