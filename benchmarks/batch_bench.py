@@ -7,6 +7,8 @@ task, greedy, ``--max-new-tokens`` each (EOS ends a request early; only tokens u
 - ``hetspec-ar``: ``Engine.generate_batch`` with speculation off (plain batched decoding, hetspec's loop);
 - ``hetspec-<alg>``: ``Engine.generate_batch`` with the algorithm at a fixed draft length;
 - ``hetspec-<alg>-adaptive``: the same with the load-adaptive draft length (``load_adaptive``);
+- ``hetspec-<alg>-k<K>``: the algorithm at another fixed draft length K (``--also-draft-tokens``): would a shorter
+  draft pay at a batch size where the adaptive policy (which chooses 0 or the request's own k) stops drafting?
 - ``hetspec-<alg>-one-at-a-time``: ``Engine.generate`` per prompt, one after the other (today's serving), timed
   once per prompt; batch B's figure is its first B prompts' tokens over their summed seconds.
 
@@ -39,6 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--drafter-quantize", default="int8", choices=["none", "int8"])
     parser.add_argument("--algorithm", default="slem")
     parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument("--confidence-threshold", type=float, default=0.0,
+                        help="SpeculationConfig.confidence_threshold of every drafting method (config.yaml: 0.5)")
+    parser.add_argument("--also-draft-tokens", type=int, nargs="+", default=[],
+                        help="more fixed draft lengths, each its own method hetspec-<alg>-k<K>")
     parser.add_argument("--task", default="humaneval")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -95,9 +101,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     prompts = [case.text for case in load_prompts(args.task, largest)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     algorithm = args.algorithm
-    fixed = SpeculationConfig(algorithm=algorithm, draft_tokens=args.draft_tokens)
-    adaptive = SpeculationConfig(algorithm=algorithm, draft_tokens=args.draft_tokens, load_adaptive=True)
+    drafting = {"algorithm": algorithm, "confidence_threshold": args.confidence_threshold}
+    fixed = SpeculationConfig(**drafting, draft_tokens=args.draft_tokens)
+    adaptive = SpeculationConfig(**drafting, draft_tokens=args.draft_tokens, load_adaptive=True)
     plain = SpeculationConfig(algorithm="ar")
+    others = {k: SpeculationConfig(**drafting, draft_tokens=k) for k in args.also_draft_tokens}
     engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), speculation=fixed)  # warm-up
     hf_batched(target, prompts[:2], 4)
 
@@ -115,7 +123,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             ("hetspec-ar", lambda: hetspec_batched(engine, chosen, params, plain)),
             (f"hetspec-{algorithm}", lambda: hetspec_batched(engine, chosen, params, fixed)),
             (f"hetspec-{algorithm}-adaptive", lambda: hetspec_batched(engine, chosen, params, adaptive)),
-        ]
+        ] + [(f"hetspec-{algorithm}-k{k}", lambda speculation=speculation: hetspec_batched(
+            engine, chosen, params, speculation)) for k, speculation in others.items()]
         methods = methods[rotation % len(methods):] + methods[:rotation % len(methods)]
         measured = {}
         for name, method in methods:

@@ -293,7 +293,7 @@ def test_batch_bench_end_to_end_on_the_small_pair(tmp_path):
     try:
         status = batch_bench.main(["--target", "gemma3-270m", "--drafter", "smollm2-135m", "--dtype", "float32",
                                    "--drafter-quantize", "none", "--batch-sizes", "1", "2", "--max-new-tokens", "6",
-                                   "--threads", "1", "--out", str(tmp_path)])
+                                   "--also-draft-tokens", "2", "--threads", "1", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)
     assert status == 0
@@ -302,7 +302,8 @@ def test_batch_bench_end_to_end_on_the_small_pair(tmp_path):
     for row in result["rows"]:
         methods = row["methods"]
         assert set(methods) == {"hf-batched", "hetspec-ar", "hetspec-slem", "hetspec-slem-adaptive",
-                                "hetspec-slem-one-at-a-time"}
+                                "hetspec-slem-k2", "hetspec-slem-one-at-a-time"}
+        assert 0 < methods["hetspec-slem-k2"]["mean_draft_length"] <= 2  # its own draft length, not the default 5
         for name, entry in methods.items():
             assert entry["tokens_per_second"] > 0
             if name != "hf-batched":  # transformers' padded batch may round differently; ours is compared exactly
