@@ -105,7 +105,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     fixed = SpeculationConfig(**drafting, draft_tokens=args.draft_tokens)
     adaptive = SpeculationConfig(**drafting, draft_tokens=args.draft_tokens, load_adaptive=True)
     plain = SpeculationConfig(algorithm="ar")
-    others = {k: SpeculationConfig(**drafting, draft_tokens=k) for k in args.also_draft_tokens}
+    others = {k: SpeculationConfig(**drafting, draft_tokens=k) for k in args.also_draft_tokens
+              if k != args.draft_tokens}  # --draft-tokens runs as hetspec-<alg> already
     engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), speculation=fixed)  # warm-up
     hf_batched(target, prompts[:2], 4)
 

@@ -118,7 +118,8 @@ def test_bench_end_to_end_on_the_small_pair(tmp_path):
         status = bench.main(["--pair", "small", "--task", "humaneval", "--num-prompts", "1", "--max-new-tokens", "8",
                              "--draft-tokens", "3",
                              "--algorithms", "ar,sd,slem,tli,slrs,hf-greedy,hf-assisted,hf-lookup", "--hf-drafts", "3",
-                             "--lookup", "off", "always", "--lookup-min-match", "6", "--hf-lookup-tokens", "4", "--warmup-tokens", "2",
+                             "--lookup", "off", "always", "--lookup-min-match", "6", "--hf-lookup-tokens", "4",
+                             "--warmup-tokens", "2",
                              "--cost-repeats", "1", "--threads", "1",
                              "--out", str(tmp_path)])
     finally:
