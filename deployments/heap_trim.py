@@ -44,7 +44,8 @@ def resident_bytes() -> int:
 
 @dataclass
 class HeapTrimmer:
-    """``trim()`` once, or ``start()`` a daemon thread that trims every ``interval_s`` seconds (0: never)."""
+    """``trim()`` once, or ``start()`` a daemon thread that trims every ``interval_s`` seconds (0: never) until
+    ``stop()``."""
 
     interval_s: float
     trims: int = 0
@@ -53,6 +54,11 @@ class HeapTrimmer:
 
     def __post_init__(self) -> None:
         self._trim = _malloc_trim()
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """End the thread ``start`` began (at its next wake-up; a trim in progress finishes)."""
+        self._stop.set()
 
     def trim(self) -> int:
         """Give the free pages back now; the resident bytes that freed (0 if none, or no malloc_trim)."""
@@ -73,8 +79,7 @@ class HeapTrimmer:
             return None
 
         def run() -> None:
-            while True:
-                time.sleep(self.interval_s)
+            while not self._stop.wait(self.interval_s):
                 self.trim()
 
         thread = threading.Thread(target=run, name="heap-trimmer", daemon=True)

@@ -40,6 +40,7 @@ class Sessions(Generic[Session]):
         self._entries: dict[str, _Entry[Session]] = {}
         self._guard = threading.Lock()  # protects the dict, never held during model work
         self._closing = 0  # closed, but still held until the call running on them ends
+        self._sweeper_stop = threading.Event()
 
     def __len__(self) -> int:
         """Sessions holding a KV cache (one being closed counts until it is freed)."""
@@ -96,10 +97,14 @@ class Sessions(Generic[Session]):
                    if entry.last_used < deadline and not entry.lock.locked()]
         return [request_id for request_id in expired if self.close(request_id)]
 
+    def close_all(self) -> list[str]:
+        """Free every session (a call running on one finishes first); their ids."""
+        return [request_id for request_id in list(self._entries) if self.close(request_id)]
+
     def start_sweeper(self, on_expired: Callable[[list[str]], None] = lambda ids: None) -> threading.Thread:
+        """A daemon thread that frees idle sessions until ``stop_sweeper``."""
         def sweep() -> None:
-            while True:
-                time.sleep(min(5.0, self.idle_timeout_s / 4))
+            while not self._sweeper_stop.wait(min(5.0, self.idle_timeout_s / 4)):
                 expired = self.close_idle()
                 if expired:
                     on_expired(expired)
@@ -107,3 +112,6 @@ class Sessions(Generic[Session]):
         thread = threading.Thread(target=sweep, name="kv-session-sweeper", daemon=True)
         thread.start()
         return thread
+
+    def stop_sweeper(self) -> None:
+        self._sweeper_stop.set()

@@ -122,6 +122,23 @@ class _Worker:
         self._metrics = worker_metrics()
         self._tags = {"role": self.role, "actor": self.actor_id}
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Free every session's KV row and end this worker's threads (session sweeper, heap trimmer, model lanes).
+        For a worker built in a process that goes on (tests, an application embedding one): its threads would
+        otherwise run for the process's life, and its model lanes' OpenMP teams slow every later model pass
+        (deployments/model_threads.py). An actor's process ends with the actor, and these with it."""
+        self.sessions.stop_sweeper()
+        self.heap_trimmer.stop()
+        self.sessions.close_all()
+        self.model_threads.stop()
+        self._publish()
+
     def info(self) -> ModelInfo:
         return ModelInfo(self.model.name, self.model.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
                          self.model.kv_pool.bytes_per_token)

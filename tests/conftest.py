@@ -1,4 +1,5 @@
 import os
+from contextlib import ExitStack
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -17,6 +18,14 @@ def gemma():
 def smollm():
     from hetspec import load_model
     return load_model("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture
+def exit_stack():
+    """Context managers a test enters, exited after it: in-process workers and model threads shut down, so their
+    threads (and OpenMP teams) do not outlive the test (deployments/model_threads.py says why that matters)."""
+    with ExitStack() as stack:
+        yield stack
 
 
 # Markers from what a test uses, so none is forgotten: `real` for the real offline models (docs/models.md),

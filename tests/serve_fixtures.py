@@ -33,9 +33,11 @@ def small_app_args(**overrides) -> dict:
     return args
 
 
+@contextmanager
 def in_process_coordinator(target, drafter, **overrides):
     """(coordinator, target worker, drafter worker): the served decode loop on worker objects in this process, for
-    the config.small.yaml args with ``overrides`` (as ``small_app_args``) and the given models."""
+    the config.small.yaml args with ``overrides`` (as ``small_app_args``) and the given models; the workers shut
+    down on exit (the ``exit_stack`` fixture of tests/conftest.py enters it for a test)."""
     from deployments.config import AppConfig
     from deployments.coordinator import Coordinator
     from deployments.pipeline import LocalWorker
@@ -43,10 +45,10 @@ def in_process_coordinator(target, drafter, **overrides):
 
     config = AppConfig.model_validate(small_app_args(**overrides))
     target_worker, drafter_worker = TargetWorker(target, config.pipeline), DrafterWorker(drafter, config.pipeline)
-    drafter_worker.attach_target(target_worker.info())
-    coordinator = Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
-                              drafter_worker.info())
-    return coordinator, target_worker, drafter_worker
+    with target_worker, drafter_worker:
+        drafter_worker.attach_target(target_worker.info())
+        yield (Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
+                           drafter_worker.info()), target_worker, drafter_worker)
 
 
 def grpc_servicer_functions() -> list[str]:

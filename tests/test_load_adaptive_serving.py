@@ -111,17 +111,18 @@ def test_a_dear_drafting_round_stops_drafting_at_the_replica():
     assert not adaptive.drafting(), "a request joining now leaves its drafter prefill to its first draft"
 
 
-def _served(gemma, smollm, **pipeline):
-    """(coordinator, target worker, drafter worker) in this process, load-adaptive SLEM."""
-    return in_process_coordinator(gemma, smollm, speculation={"algorithm": "slem", "load_adaptive": True},
-                                  pipeline=pipeline)
+def _served(exit_stack, gemma, smollm, **pipeline):
+    """(coordinator, target worker, drafter worker) in this process, load-adaptive SLEM, shut down after the test."""
+    return exit_stack.enter_context(in_process_coordinator(
+        gemma, smollm, speculation={"algorithm": "slem", "load_adaptive": True}, pipeline=pipeline))
 
 
 @pytest.mark.parametrize("one_model_at_a_time", [False, True])
-def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm, one_model_at_a_time):
+def test_served_requests_with_load_adaptive_equal_the_target_alone(exit_stack, gemma, smollm, one_model_at_a_time):
     from deployments.coordinator import GenerationRequest
 
-    coordinator, target_worker, drafter_worker = _served(gemma, smollm, one_model_at_a_time=one_model_at_a_time)
+    coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm,
+                                                         one_model_at_a_time=one_model_at_a_time)
     assert coordinator.batches.one_model_at_a_time == one_model_at_a_time
     requests = [GenerationRequest(prompt=prompt, algorithm=algorithm, pipelined=False,
                                   params=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
@@ -152,14 +153,14 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(gemma, smollm
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not coordinator.load_adaptive.running
 
 
-def test_the_target_worker_says_when_a_pass_fed_a_prompt_chunk(gemma):
+def test_the_target_worker_says_when_a_pass_fed_a_prompt_chunk(exit_stack, gemma):
     """A step whose passes fed a prompt's chunk prices the prompt: the verify call after such a pass says so (the
     prefill at open here), the next one does not."""
     from deployments.config import AppConfig
     from deployments.workers import TargetWorker
 
     config = AppConfig.model_validate(small_app_args())
-    worker = TargetWorker(gemma, config.pipeline)
+    worker = exit_stack.enter_context(TargetWorker(gemma, config.pipeline))
     prompt_ids = gemma.encode_prompt("def fibonacci(n):\n    " * 12)  # a chunk above 32 tokens: a prompt's chunk
     assert len(prompt_ids) > 40
     worker.open("a", prompt_ids, "slem", SpeculationConfig(), SamplingParams(max_new_tokens=4))
@@ -172,14 +173,15 @@ def test_the_target_worker_says_when_a_pass_fed_a_prompt_chunk(gemma):
         worker.close("a")
 
 
-def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, smollm):
+def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(exit_stack, gemma, smollm):
     """While the replica drafts nothing (cap 0), a joining request's drafter session opens without its prompt and a
     pipelined request drafts nothing ahead (the next step would drop it); a request in step (not pipelined) always
     leaves the drafter's prefill to its first draft; the first draft prefills the prompt in chunks. The output
     stays the target's."""
     from deployments.coordinator import GenerationRequest
 
-    coordinator, target_worker, drafter_worker = _served(gemma, smollm, pipelined=True, prefill_chunk_tokens=16)
+    coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm, pipelined=True,
+                                                         prefill_chunk_tokens=16)
     adaptive, caps = coordinator.load_adaptive, []
     adaptive.drafting = lambda: False  # as when others run at a cap of 0
     adaptive.cap = lambda progress: caps.pop(0) if caps else 0
@@ -213,8 +215,9 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(gemma, s
     assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0
 
 
-def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one_does(gemma, smollm):
-    _, _, worker = in_process_coordinator(gemma, smollm, pipeline={"prefill_chunk_tokens": 16})
+def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one_does(exit_stack, gemma, smollm):
+    _, _, worker = exit_stack.enter_context(
+        in_process_coordinator(gemma, smollm, pipeline={"prefill_chunk_tokens": 16}))
     prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 2)
     speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
     worker.open("eager", prompt_ids, "slem", speculation, params)
@@ -229,7 +232,7 @@ def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one
         worker.close("eager"), worker.close("lazy")
 
 
-def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_the_others_verify_pass(gemma):
+def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_the_others_verify_pass(exit_stack, gemma):
     """In step the coordinator opens the target's session without its prompt and sends a chunk per verify call
     (deployments/pipeline.py DecodeLoop): each chunk shares the pass of the others' verifications, and the session
     then verifies what a session prefilled at open does."""
@@ -237,7 +240,7 @@ def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_th
     from deployments.workers import TargetWorker
 
     config = AppConfig.model_validate(small_app_args(pipeline={"prefill_chunk_tokens": 16}))
-    worker = TargetWorker(gemma, config.pipeline)
+    worker = exit_stack.enter_context(TargetWorker(gemma, config.pipeline))
     prompt_ids = gemma.encode_prompt("def fibonacci(n):\n    " * 4)
     params = SamplingParams(max_new_tokens=4)
     worker.open("eager", prompt_ids, "slem", SpeculationConfig(), params)
@@ -260,10 +263,10 @@ def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_th
         worker.close("eager"), worker.close("lazy")
 
 
-def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(gemma, smollm):
+def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(exit_stack, gemma, smollm):
     """A first draft that feeds the whole prompt (the session opened without it) prices the catch-up, not the
     draft length: it says so, the next draft does not."""
-    _, _, worker = in_process_coordinator(gemma, smollm)
+    _, _, worker = exit_stack.enter_context(in_process_coordinator(gemma, smollm))
     prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 3)
     assert 33 < len(prompt_ids) < 128  # one feed with the draft's first pass, long enough to count as a prompt's
     speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
@@ -277,12 +280,12 @@ def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(gemma, smollm)
         worker.close("lazy")
 
 
-def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(gemma, smollm):
+def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(exit_stack, gemma, smollm):
     """In step, the target's prompt goes a chunk per verify call; until it is in the cache the request is not in
     the policy's round (in process, ``BatchDecoder`` keeps a joining request out of ``running`` the same way)."""
     from deployments.coordinator import GenerationRequest
 
-    coordinator, target_worker, _ = _served(gemma, smollm, pipelined=False, prefill_chunk_tokens=16)
+    coordinator, target_worker, _ = _served(exit_stack, gemma, smollm, pipelined=False, prefill_chunk_tokens=16)
     prompt = "def moving_average(values, window):\n    " * 5
     prompt_ids = gemma.encode_prompt(prompt)
     assert len(prompt_ids) > 3 * 16
@@ -335,14 +338,14 @@ def test_requests_whose_prompts_are_being_fed_count_in_the_load_the_cap_is_chose
     assert adaptive.cap(first) == 5 and set(adaptive.running) == {first}
 
 
-def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pass(gemma, smollm):
+def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pass(exit_stack, gemma, smollm):
     """In step a drafter session opens without its prompt: drafted on the first step, that prefill held the first
     token (first tokens later than with speculation off: serve-scaling-arrive-f32/NOTES.md). Drafting starts at the
     second step, in process as served (``Progress.draft_length``); the output stays the target's."""
     from deployments.coordinator import GenerationRequest
 
-    coordinator, _, drafter_worker = in_process_coordinator(gemma, smollm, speculation={"algorithm": "slem"},
-                                                            pipeline={"pipelined": False})
+    coordinator, _, drafter_worker = exit_stack.enter_context(in_process_coordinator(
+        gemma, smollm, speculation={"algorithm": "slem"}, pipeline={"pipelined": False}))
     steps = []
     coordinator._record_step = lambda algorithm, step: steps.append(step)
     prompt = "def moving_average(values, window):\n    "

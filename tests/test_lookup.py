@@ -344,7 +344,7 @@ def test_lookup_in_a_batch(gemma, smollm):
 # --- the server's loop ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("algorithm, temperature", [("ar", 0.0), ("slem", 0.0), ("tli", 0.8)])
-def test_served_decode_loop_with_lookup_equals_the_library(gemma, smollm, algorithm, temperature):
+def test_served_decode_loop_with_lookup_equals_the_library(exit_stack, gemma, smollm, algorithm, temperature):
     """The Serve coordinator's loop on worker objects in this process: the lookup draft is made by the same
     library call (``Progress.lookup_draft``), its point-mass rows are built by the target worker, and the tokens
     are the library's (seed for seed: the same drafts, the same numbers)."""
@@ -353,7 +353,8 @@ def test_served_decode_loop_with_lookup_equals_the_library(gemma, smollm, algori
     from deployments.coordinator import GenerationRequest
     from serve_fixtures import in_process_coordinator
 
-    coordinator = in_process_coordinator(gemma, smollm, speculation={"algorithm": algorithm, **REAL_LOOKUP})[0]
+    coordinator = exit_stack.enter_context(
+        in_process_coordinator(gemma, smollm, speculation={"algorithm": algorithm, **REAL_LOOKUP}))[0]
     prompt = REPEATING_PROMPTS[0]
     params = SamplingParams(max_new_tokens=24, temperature=temperature, seed=5, ignore_eos=True)
     library = Engine(gemma, smollm).generate(prompt, params, speculation=coordinator.config.speculation)

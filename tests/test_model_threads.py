@@ -58,7 +58,7 @@ def _while_the_first_lane_is_held(lanes: ModelThreads, *side_work):
         return results, first.result()[0]
 
 
-def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(gemma):
+def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(exit_stack, gemma):
     """A Ray actor runs calls on a pool of threads; a new thread starts at OpenMP's default thread count, not
     at torch.set_num_threads's, so the worker runs model work on threads of its own that it sizes."""
     before, wanted = torch.get_num_threads(), _fresh_thread_openmp() + 1  # unlike what a fresh thread gets
@@ -67,7 +67,7 @@ def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(
     hook = gemma.model.register_forward_pre_hook(lambda module, args: seen.append(_where()))
     try:
         pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"model_lanes": 1}}).pipeline
-        worker = TargetWorker(gemma, pipeline)
+        worker = exit_stack.enter_context(TargetWorker(gemma, pipeline))
         prompt_ids = gemma.encode_prompt("def add(a, b):")
 
         def one_request(index: int):
@@ -90,7 +90,7 @@ def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(
         torch.set_num_threads(before)
 
 
-def test_worker_loads_its_model_on_its_first_lane(monkeypatch, gemma):
+def test_worker_loads_its_model_on_its_first_lane(exit_stack, monkeypatch, gemma):
     """Loading runs torch's parallel kernels; on the constructor's thread they would leave a second team."""
     loaded_on: list[str] = []
 
@@ -100,13 +100,13 @@ def test_worker_loads_its_model_on_its_first_lane(monkeypatch, gemma):
 
     monkeypatch.setattr(workers, "load_model", load_model)
     pipeline = AppConfig.model_validate(SMALL_PAIR).pipeline
-    worker = TargetWorker(ModelConfig(model="gemma3-270m"), pipeline)
+    worker = exit_stack.enter_context(TargetWorker(ModelConfig(model="gemma3-270m"), pipeline))
     assert worker.model is gemma and loaded_on == ["hetspec-target_0"]
 
 
-def test_model_threads_split_the_cpu_threads_among_the_calls_running(monkeypatch):
+def test_model_threads_split_the_cpu_threads_among_the_calls_running(exit_stack, monkeypatch):
     monkeypatch.setattr(model_threads, "usable_cpus", lambda: 8)  # 4 spare: a side lane may use 4 too
-    lanes = ModelThreads("lane", lanes=2, threads=4)
+    lanes = exit_stack.enter_context(ModelThreads("lane", lanes=2, threads=4))
     assert lanes.side_lane_threads == 4
     assert lanes.run(_where)[0] == ("lane_0", 4)  # alone: every thread
     (side,), first = _while_the_first_lane_is_held(lanes, _where)
@@ -115,11 +115,11 @@ def test_model_threads_split_the_cpu_threads_among_the_calls_running(monkeypatch
     assert lanes.run(_where)[0] == ("lane_0", 4)  # alone again: the first lane, every thread
 
 
-def test_requests_at_the_other_model_count_as_one_more_call():
+def test_requests_at_the_other_model_count_as_one_more_call(exit_stack):
     """Drafter and target share the cores: while other requests are at the other model, a pass alone here
     takes half the threads, not all (at 4 clients the 2-thread drafter otherwise ran 2.4x slower)."""
     elsewhere = [0]
-    lanes = ModelThreads("shared", lanes=1, threads=4, at_other_model=lambda: elsewhere[0])
+    lanes = exit_stack.enter_context(ModelThreads("shared", lanes=1, threads=4, at_other_model=lambda: elsewhere[0]))
     assert lanes.run(_where)[0] == ("shared_0", 4)  # every request in this call (a batch): every thread
     elsewhere[0] = 2
     assert lanes.run(_where)[0] == ("shared_0", 2)
@@ -128,11 +128,11 @@ def test_requests_at_the_other_model_count_as_one_more_call():
 @pytest.mark.parametrize("placement, pipelined, counted", [("PACK", True, 1), ("STRICT_SPREAD", True, 0),
                                                           ("PACK", False, 0)])
 def test_a_worker_counts_requests_at_the_other_model_only_where_both_models_run_at_once_on_shared_cores(
-        gemma, placement, pipelined, counted):
+        exit_stack, gemma, placement, pipelined, counted):
     """Not pipelined, requests go in step (draft together, then verify together): the models take turns."""
     pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"placement_strategy": placement,
                                                                     "pipelined": pipelined}}).pipeline
-    worker = TargetWorker(gemma, pipeline)
+    worker = exit_stack.enter_context(TargetWorker(gemma, pipeline))
     for request_id in ("r", "s"):
         worker.open(request_id, gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(), SamplingParams())
     try:
@@ -146,16 +146,16 @@ def test_a_worker_counts_requests_at_the_other_model_only_where_both_models_run_
         worker.close("s")
 
 
-def test_a_side_lane_uses_only_the_cpus_the_first_lane_leaves(monkeypatch):
+def test_a_side_lane_uses_only_the_cpus_the_first_lane_leaves(exit_stack, monkeypatch):
     monkeypatch.setattr(model_threads, "usable_cpus", lambda: 2)
-    lanes = ModelThreads("tight", lanes=3, threads=2)
+    lanes = exit_stack.enter_context(ModelThreads("tight", lanes=3, threads=2))
     assert lanes.side_lane_threads == 1
     sides, first = _while_the_first_lane_is_held(lanes, _where, _where)
     assert sides == [("tight_side", 1), ("tight_side", 1)] and first == ("tight_0", 2)
 
 
-def test_calls_wait_for_a_lane_and_errors_reach_the_caller():
-    lanes = ModelThreads("one", lanes=1, threads=2)
+def test_calls_wait_for_a_lane_and_errors_reach_the_caller(exit_stack):
+    lanes = exit_stack.enter_context(ModelThreads("one", lanes=1, threads=2))
 
     def fails():
         raise ValueError("bad draft")
@@ -175,21 +175,22 @@ def _matmul() -> float:  # big enough for MKL to run it on a team of threads
     return float((square @ square)[0, 0])
 
 
-def test_a_one_thread_share_runs_mkl_on_one_thread_too():
+def test_a_one_thread_share_runs_mkl_on_one_thread_too(exit_stack):
     """torch's CPU attention and float32 matmuls run in MKL, which keeps its own thread count: sized by
     OpenMP alone, a one-thread call still made a team of two, and the teams then outnumbered the CPUs."""
-    lanes = ModelThreads("mkl", lanes=1, threads=2, at_other_model=lambda: 1)  # another request: a share of 1
+    # another request: a share of 1
+    lanes = exit_stack.enter_context(ModelThreads("mkl", lanes=1, threads=2, at_other_model=lambda: 1))
     lanes.run(lambda: None)
     settled = _os_threads()
     assert lanes.run(_matmul)[0] == 512.0
     assert _os_threads() == settled
 
 
-def test_a_side_lane_ends_when_the_first_lane_is_free_and_its_openmp_team_with_it(monkeypatch):
+def test_a_side_lane_ends_when_the_first_lane_is_free_and_its_openmp_team_with_it(exit_stack, monkeypatch):
     """libgomp stops spinning once its teams hold more threads than there are CPUs (every parallel region
     then waits on a futex: the int8 drafter's token 2.5x slower), so no side lane's team may outlive it."""
     monkeypatch.setattr(model_threads, "usable_cpus", lambda: 8)  # a side lane gets 2 threads: a team
-    lanes = ModelThreads("teams", lanes=2, threads=4)
+    lanes = exit_stack.enter_context(ModelThreads("teams", lanes=2, threads=4))
     lanes.run(_matmul)
     settled = _os_threads()
     (side,), _ = _while_the_first_lane_is_held(lanes, _matmul)
@@ -199,3 +200,21 @@ def test_a_side_lane_ends_when_the_first_lane_is_free_and_its_openmp_team_with_i
         time.sleep(0.05)
     assert _os_threads() == settled
     assert not [thread for thread in threading.enumerate() if thread.name == "teams_side"]
+
+
+def test_a_shut_down_worker_frees_its_sessions_and_ends_every_thread_it_started_openmp_teams_included(gemma):
+    """A worker built in a process that goes on: its sweeper, heap trimmer and model lanes (with their OpenMP
+    teams) end at shutdown. Left running, a test suite's 22 workers' teams slowed its later model tests ~1.8x."""
+    pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"heap_trim_interval_s": 30}}).pipeline
+    before, taken_before = _os_threads(), set(gemma.kv_pool.taken)  # the session-wide model's other users
+    with TargetWorker(gemma, pipeline) as worker:
+        worker.open("r", gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(), SamplingParams())
+        worker.verify_many([("r", Draft())])  # model work on the first lane: a team of two
+        assert _os_threads() > before and len(worker.sessions) == 1
+    assert len(worker.sessions) == 0 and gemma.kv_pool.taken == taken_before
+    deadline = time.monotonic() + 10
+    while _os_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _os_threads() == before
+    with pytest.raises(RuntimeError, match="stopped"):
+        worker.model_threads.run(lambda: None)

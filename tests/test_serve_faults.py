@@ -90,7 +90,8 @@ class DrafterDyingAfter:
 @pytest.fixture(scope="module")
 def local_coordinator(gemma, smollm):
     """A coordinator on worker objects in this process (built once: the vocabulary maps take seconds)."""
-    return in_process_coordinator(gemma, smollm)[0]
+    with in_process_coordinator(gemma, smollm) as (coordinator, _, _):
+        yield coordinator
 
 
 @pytest.mark.parametrize("drafts, pipelined", [(-1, False), (1, False), (2, True)])

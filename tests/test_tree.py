@@ -113,7 +113,7 @@ def test_target_tree_verification_past_gemmas_sliding_window(gemma):
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_served_decode_loop_with_a_draft_tree_equals_the_target_alone(gemma, smollm, pipelined):
+def test_served_decode_loop_with_a_draft_tree_equals_the_target_alone(exit_stack, gemma, smollm, pipelined):
     """The Serve coordinator's loop on worker objects in this process (the actors run the same classes):
     tree drafts travel drafter -> alignment -> target and the output is the target's alone."""
     import asyncio
@@ -122,8 +122,8 @@ def test_served_decode_loop_with_a_draft_tree_equals_the_target_alone(gemma, smo
     from hetspec import Engine
     from serve_fixtures import in_process_coordinator
 
-    coordinator, target_worker, drafter_worker = in_process_coordinator(
-        gemma, smollm, speculation={"algorithm": "slem", "draft_tokens": 4, "tree_width": 3})
+    coordinator, target_worker, drafter_worker = exit_stack.enter_context(in_process_coordinator(
+        gemma, smollm, speculation={"algorithm": "slem", "draft_tokens": 4, "tree_width": 3}))
     prompt, params = "def fibonacci(n):\n", SamplingParams(max_new_tokens=24, ignore_eos=True)
     reference = Engine(gemma).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
     request = GenerationRequest(prompt=prompt, params=params, pipelined=pipelined)
