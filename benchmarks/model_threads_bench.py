@@ -16,7 +16,9 @@ times single-token forwards (KV cache, 200-token context):
   of 2 rows per token, as a served worker batches them) driven from two caller threads, the way an actor's
   call threads would drive it without ``ModelThreads``; ms per pass;
 - ``batched, on ModelThreads``: the same with the passes on ``ModelThreads`` (``execute=lanes.run``), as
-  deployments/workers.py runs them.
+  deployments/workers.py runs them;
+- ``first lane beside leftover lanes``: ``first lane`` while ``LEFTOVER_LANES`` other ``ModelThreads`` live on, each
+  with the team of a parallel op it ran: what in-process workers never shut down (``_Worker.shutdown``) leave.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 SETTINGS = ["loading thread", "second thread", "first lane", "first lane after a burst",
-            "first lane, other requests in flight", "batched, from the callers' threads", "batched, on ModelThreads"]
+            "first lane, other requests in flight", "batched, from the callers' threads", "batched, on ModelThreads",
+            "first lane beside leftover lanes"]
 CALLERS = 2  # requests decoding together in the batched settings
+LEFTOVER_LANES = 22  # the workers a run of the test suite had left running before they were shut down after each test
 
 
 def _token_ms(language_model, tokens: int) -> float:
@@ -110,6 +114,12 @@ def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: in
             list(callers.map(lambda _: lanes.run(_token_ms, model, 10), range(2)))
     if setting == "first lane, other requests in flight":
         at_other_model[0] = 1
+    if setting == "first lane beside leftover lanes":
+        import torch
+
+        leftover = [ModelThreads(f"leftover{index}", lanes=1, threads=threads) for index in range(LEFTOVER_LANES)]
+        for other in leftover:
+            other.run(lambda: torch.ones(512, 512) @ torch.ones(512, 512))  # a parallel op: the lane's team
     if setting == "batched, on ModelThreads":
         from hetspec.kv import SharedPasses
 

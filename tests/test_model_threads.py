@@ -204,7 +204,7 @@ def test_a_side_lane_ends_when_the_first_lane_is_free_and_its_openmp_team_with_i
 
 def test_a_shut_down_worker_frees_its_sessions_and_ends_every_thread_it_started_openmp_teams_included(gemma):
     """A worker built in a process that goes on: its sweeper, heap trimmer and model lanes (with their OpenMP
-    teams) end at shutdown. Left running, a test suite's 22 workers' teams slowed its later model tests ~1.8x."""
+    teams) end at shutdown. Left running, 22 workers' teams slowed this suite's later model tests ~1.5x."""
     pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"heap_trim_interval_s": 30}}).pipeline
     before, taken_before = _os_threads(), set(gemma.kv_pool.taken)  # the session-wide model's other users
     with TargetWorker(gemma, pipeline) as worker:
