@@ -104,7 +104,8 @@ class ModelThreads:
         """End the lanes once the calls already queued are done, waiting up to ``timeout_s`` for the first. For
         a process that goes on (tests, an application embedding a worker): each lane's libgomp team goes with its
         thread, and teams left over past the CPU count make every parallel region of the process wake its team
-        on a futex (the module docstring). Beside 22 such leftover lanes the small pair decoded 1.55x slower."""
+        on a futex (the module docstring): beside 22 leftover lanes a token cost 1.46-1.64x
+        (benchmarks/results/model-threads-leftover-lanes)."""
         with self._changed:
             self._stopped = True
             self._changed.notify_all()
