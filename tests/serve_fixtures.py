@@ -44,8 +44,8 @@ def in_process_coordinator(target, drafter, **overrides):
     from deployments.workers import DrafterWorker, TargetWorker
 
     config = AppConfig.model_validate(small_app_args(**overrides))
-    target_worker, drafter_worker = TargetWorker(target, config.pipeline), DrafterWorker(drafter, config.pipeline)
-    with target_worker, drafter_worker:
+    with (TargetWorker(target, config.pipeline) as target_worker,
+          DrafterWorker(drafter, config.pipeline) as drafter_worker):  # a drafter that fails to build: the target ends
         drafter_worker.attach_target(target_worker.info())
         yield (Coordinator(config, LocalWorker(target_worker), LocalWorker(drafter_worker), target_worker.info(),
                            drafter_worker.info()), target_worker, drafter_worker)
