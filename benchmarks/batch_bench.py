@@ -31,6 +31,7 @@ from benchmarks import report
 from benchmarks.report import provenance
 from hetspec import Engine, SamplingParams, SpeculationConfig, load_model
 from hetspec.config import BatchingConfig
+from hetspec.models import QUANTIZE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--drafter", default="smollm2-135m")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--drafter-quantize", default="int8", choices=["none", "int8"])
+    parser.add_argument("--drafter-quantize", default="int8", choices=QUANTIZE)
     parser.add_argument("--algorithm", default="slem")
     parser.add_argument("--draft-tokens", type=int, default=5)
     parser.add_argument("--confidence-threshold", type=float, default=0.0,

@@ -26,6 +26,7 @@ from benchmarks.meter import cost_sizes, pass_costs
 from benchmarks.methods import FAMILIES, MethodSpec, RunRecord, Runner, build_methods
 from benchmarks.prompts import TASKS, PromptCase, load_prompts
 from hetspec import Engine, SamplingParams, load_model
+from hetspec.models import QUANTIZE
 
 PAIRS = {  # label: (target, drafter, dtype), see docs/models.md
     "small": ("gemma3-270m", "smollm2-135m", "float32"),
@@ -57,8 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also run hetspec's adaptive draft length (starting at the largest k)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0,
                         help="hetspec: stop a draft once the drafter's top probability is below this (0: never)")
-    parser.add_argument("--drafter-quantize", choices=["none", "int8"], default="none",
-                        help="int8: dynamic int8 drafter (CPU); hetspec and transformers share that drafter")
+    parser.add_argument("--drafter-quantize", choices=QUANTIZE, default="none",
+                        help="int8 drafter (CPU; hetspec/int8.py, hetspec/config.py ModelConfig.quantize): hetspec and "
+                        "transformers share that drafter")
     parser.add_argument("--tree-widths", type=int, nargs="+", default=[1],
                         help="slem: draft-tree widths to run (1: a chain; see SpeculationConfig.tree_width)")
     parser.add_argument("--hf-drafts", nargs="+",

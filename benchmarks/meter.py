@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,16 +28,20 @@ class ForwardCall:
 
 @dataclass
 class ForwardMeter:
-    """Records every top-level forward call of one model: tokens fed and seconds taken."""
+    """Records every top-level forward call of one model: tokens fed and seconds taken. ``module`` is the model,
+    or a hetspec ``LanguageModel``, whose passes run through its lean forward where it has one (hetspec/lean.py)
+    and through the model otherwise (transformers' generation): both are watched."""
 
-    module: torch.nn.Module
+    module: Any
     device: torch.device
     calls: list[ForwardCall] = field(default_factory=list)
 
     def __post_init__(self):
         self._pending: tuple[int, float] | None = None
-        self._handles = [self.module.register_forward_pre_hook(self._before, with_kwargs=True),
-                         self.module.register_forward_hook(self._after, with_kwargs=True)]
+        modules = [self.module.model, self.module.lean] if hasattr(self.module, "lean") else [self.module]
+        self._handles = [handle for module in modules if module is not None for handle in (
+            module.register_forward_pre_hook(self._before, with_kwargs=True),
+            module.register_forward_hook(self._after, with_kwargs=True))]
 
     def _before(self, module, args, kwargs):
         fed = kwargs.get("input_ids", args[0] if args else None)

@@ -145,11 +145,11 @@ class Runner:
         self.params = params
         self.chat = chat
         self.same_vocabulary = same_vocabulary
-        self.target_meter = ForwardMeter(self.target.model, self.target.device)
+        self.target_meter = ForwardMeter(self.target, self.target.device)
         self.drafter_meters = []
         self.hf_drafter_model = None
         if self.drafter is not None:
-            self.drafter_meters.append(ForwardMeter(self.drafter.model, self.drafter.device))
+            self.drafter_meters.append(ForwardMeter(self.drafter, self.drafter.device))
             self.hf_drafter_model = self._hf_drafter_model()
         config = self.hf_drafter_model.generation_config if self.hf_drafter_model is not None else None
         self.assistant_defaults = {key: getattr(config, key, None) for key in ASSISTANT_KEYS} if config else {}

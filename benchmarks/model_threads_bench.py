@@ -130,7 +130,7 @@ def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--quantize", default="int8", choices=["none", "int8"])
+    parser.add_argument("--quantize", default="int8", choices=["none", "int8", "int8-weight-only"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the model's dtype (int8 quantization loads float32 whatever this says)")
     parser.add_argument("--threads", type=int, default=2)

@@ -15,6 +15,7 @@ import time
 import torch
 
 from hetspec import load_model
+from hetspec.models import QUANTIZE
 
 CONTEXT = list(range(1000, 1150))
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantize", default="none", choices=["none", "int8"])
+    parser.add_argument("--quantize", default="none", choices=QUANTIZE)
     parser.add_argument("--linear", nargs="+", default=["auto"], choices=["auto", "onednn", "torch"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 32, 48])

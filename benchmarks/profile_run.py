@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     speculation = SpeculationConfig(algorithm=args.algorithm, draft_tokens=args.draft_tokens, adaptive=args.adaptive)
     engine.generate(case.text, params.model_copy(update={"max_new_tokens": 16}), speculation=speculation)
 
-    meters = {"target": ForwardMeter(target.model, target.device), "drafter": ForwardMeter(drafter.model, drafter.device)}
+    meters = {"target": ForwardMeter(target, target.device), "drafter": ForwardMeter(drafter, drafter.device)}
     started = time.perf_counter()
     result = engine.generate(case.text, params, speculation=speculation)
     wall = time.perf_counter() - started

@@ -88,7 +88,7 @@ def _load(model: ModelConfig | LanguageModel) -> LanguageModel:
     if isinstance(model, LanguageModel):
         return model
     return load_model(model.model, dtype=model.dtype, device=model.device, threads=model.threads,
-                      quantize=model.quantize, linear=model.linear)
+                      quantize=model.quantize, linear=model.linear, forward=model.forward)
 
 
 class _Worker:

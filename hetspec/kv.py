@@ -248,15 +248,21 @@ def forward(language_model: "LanguageModel", feeds: list[Feed], packed: bool | N
     pool.reserve(max(feed.session.row for feed in feeds) + 1,
                  max(feed.session.length for feed in feeds) + max(counts))
     layout = (layouts.packed if packed else layouts.padded)(pool, feeds)
-    masks = layouts.attention_masks(pool, layout)
     device = pool.device
     kept = layout.logits_to_keep if isinstance(layout.logits_to_keep, int) else layout.logits_to_keep.to(device)
+    lean = language_model.lean
+    # the lean forward needs no mask where every query sees every key (a request alone, one token)
+    masks = None if lean is not None and layout.visible.all() else layouts.attention_masks(pool, layout)
     with pool.guard.shared():
-        output = language_model.model(
-            input_ids=layout.input_ids.to(device), cache=layout.cache, use_cache=True,
-            position_ids=layout.query_positions.to(device),
-            attention_mask=masks if pool.layer_types else masks["full_attention"], logits_to_keep=kept)
-    logits = output.logits  # [batch, kept, vocab]
+        if lean is not None:
+            logits = lean(input_ids=layout.input_ids.to(device), position_ids=layout.query_positions.to(device),
+                          attention_mask=masks and masks["full_attention"], cache=layout.cache, logits_to_keep=kept)
+        else:
+            logits = language_model.model(
+                input_ids=layout.input_ids.to(device), cache=layout.cache, use_cache=True,
+                position_ids=layout.query_positions.to(device),
+                attention_mask=masks if pool.layer_types else masks["full_attention"], logits_to_keep=kept).logits
+    # logits: [batch, kept, vocab]
     results: list[torch.Tensor] = [None] * len(feeds)  # type: ignore[list-item]
     for (b, rows), feed, index in zip(layout.kept, feeds, order):
         feed.session.length += len(feed.token_ids)

@@ -73,14 +73,23 @@ class _PaddedPass(Cache):
     """The cache a padded pass sees: a view of some rows of the pool."""
 
     def __init__(self, pool: "KVPool", rows: list[int], slots: torch.Tensor, used: int):
+        self.pool = pool
         self.row_index = torch.tensor(rows, dtype=torch.long, device=pool.device)[:, None]  # [batch, 1]
         self.slots = slots  # [batch, queries]
         self.queries, self.keys = slots.shape[1], used
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         self.row_slice = slice(rows[0], rows[0] + len(rows)) if contiguous else None
+        # one row fed a chain (a request alone): its slots are a range, written by a slice instead of an index
+        first = int(slots[0, 0])
+        chain = len(rows) == 1 and bool((slots[0] == torch.arange(first, first + slots.shape[1], device=slots.device)).all())
+        self.single = (rows[0], first, first + slots.shape[1]) if chain else None
         super().__init__(layers=[_Layer(pool, index, self) for index in range(pool.layers)])
 
     def write(self, buffer: torch.Tensor, states: torch.Tensor) -> None:  # states: [batch, kv_heads, queries, head_dim]
+        if self.single is not None:
+            row, start, end = self.single
+            buffer[row, :, start:end] = states[0]
+            return
         buffer[self.row_index, :, self.slots] = states.transpose(1, 2).to(buffer.dtype)
 
     def read(self, buffer: torch.Tensor) -> torch.Tensor:  # -> [batch, kv_heads, used, head_dim]
@@ -93,6 +102,7 @@ class _PackedPass(Cache):
     """The cache a packed pass sees: the rows' used slots gathered into one sequence."""
 
     def __init__(self, pool: "KVPool", rows: list[int], lengths: list[int], counts: list[int]):
+        self.pool = pool
         self.rows, self.lengths, self.counts = rows, lengths, counts
         self.queries, self.keys = sum(counts), sum(lengths) + sum(counts)
         super().__init__(layers=[_Layer(pool, index, self) for index in range(pool.layers)])

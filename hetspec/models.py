@@ -22,12 +22,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from hetspec import registry
 from hetspec.config import require_unicode
+from hetspec.int8 import quantize_weights
 from hetspec.kv import KVPool, KVSession
+from hetspec.lean import FORWARDS, LeanDecoder, uses_lean
 from hetspec.linear import convert_linear_layers, slow_dtype_warning, uses_onednn
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZE = ("none", "int8", "int8-weight-only")
 
 
 @dataclass(repr=False)
@@ -38,6 +41,7 @@ class LanguageModel:
     device: torch.device
     vocab_size: int  # width of the logits; may exceed len(tokenizer) (padded embedding rows)
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    lean: LeanDecoder | None = None  # runs the passes instead of ``model``'s forward (hetspec/lean.py)
 
     def __repr__(self) -> str:
         return f"LanguageModel({self.name!r}, vocab_size={self.vocab_size}, device={self.device})"
@@ -150,19 +154,25 @@ def load_tokenizer(spec: str, progress: Callable[[str], None] | None = None) -> 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: int | None = None,
                progress: Callable[[str], None] | None = None, quantize: str = "none",
-               linear: str = "auto") -> LanguageModel:
+               linear: str = "auto", forward: str = "auto") -> LanguageModel:
     """``quantize="int8"``: int8 dynamic quantization of every Linear layer (torch.ao, CPU; weights loaded in
     float32 first, ``dtype`` then applies to nothing else). For drafters: it changes their proposals, never
     the output, and a 135M drafter's step drops ~2x on a 2-core CPU (benchmarks/README.md).
+    ``quantize="int8-weight-only"``: int8 weights per output channel, float inputs (``hetspec.int8``): a drafter
+    that agrees with its float model far more often than dynamic int8's, as cheap a step where bfloat16 is native.
     ``linear``: "auto" runs float32 Linear layers on the CPU through oneDNN with weights converted once
-    (hetspec/linear.py: ~2x faster passes on this project's CPU), "onednn" insists, "torch" keeps torch's."""
+    (hetspec/linear.py: ~2x faster passes on this project's CPU), "onednn" insists, "torch" keeps torch's.
+    ``forward``: "auto" runs an int8-quantized Llama-family model through ``hetspec.lean.LeanDecoder`` (a drafter's
+    pass ~1.6x faster), "lean" insists (Llama-family models only), "transformers" keeps the model's forward."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if quantize not in ("none", "int8"):
-        raise ValueError(f"quantize must be 'none' or 'int8', got {quantize!r}")
-    if quantize == "int8":
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    if quantize != "none":
         if device != "cpu":
-            raise ValueError("quantize='int8' (torch dynamic quantization) runs on the CPU only")
+            raise ValueError(f"quantize={quantize!r} (int8 CPU kernels) runs on the CPU only")
         dtype = "float32"
     onednn = uses_onednn(linear, DTYPES[dtype], device, quantize)
     if slow := slow_dtype_warning(DTYPES[dtype], device):
@@ -188,7 +198,10 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
     vocab_size = model.get_output_embeddings().weight.shape[0]
     if quantize == "int8":
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    elif quantize == "int8-weight-only":
+        quantize_weights(model)
     if onednn:
         convert_linear_layers(model)
+    lean = LeanDecoder(model) if uses_lean(forward, model, quantize) else None
     return LanguageModel(name=spec, model=model, tokenizer=tokenizer, device=torch.device(device),
-                         vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids))
+                         vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids), lean=lean)
