@@ -80,9 +80,9 @@ class _PaddedPass(Cache):
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         self.row_slice = slice(rows[0], rows[0] + len(rows)) if contiguous else None
         # one row fed a chain (a request alone): its slots are a range, written by a slice instead of an index
-        first = int(slots[0, 0])
-        chain = len(rows) == 1 and bool((slots[0] == torch.arange(first, first + slots.shape[1], device=slots.device)).all())
-        self.single = (rows[0], first, first + slots.shape[1]) if chain else None
+        first, end = int(slots[0, 0]), int(slots[0, 0]) + slots.shape[1]
+        chain = len(rows) == 1 and bool((slots[0] == torch.arange(first, end, device=slots.device)).all())
+        self.single = (rows[0], first, end) if chain else None
         super().__init__(layers=[_Layer(pool, index, self) for index in range(pool.layers)])
 
     def write(self, buffer: torch.Tensor, states: torch.Tensor) -> None:  # states: [batch, kv_heads, queries, head_dim]

@@ -6,8 +6,9 @@ layers, attention interface, cache and mask plumbing are most of that. This forw
 with the model's own weights and rotary embedding, writes keys and values straight into the pool through the
 pass's layout (hetspec/layouts.py), skips the mask where a query sees every key, and in an int8-quantized
 model multiplies q/k/v and gate/up as one quantized layer each (one activation quantization instead of five,
-121 matmuls a pass instead of 211): SmolLM2-135M's dynamic int8 pass ~20 -> ~15 ms on this project's 2-core CPU
-(``python -m benchmarks.drafter_variants``, results/drafter-variants-smollm2-bf16-avx512/).
+121 matmuls a pass instead of 211). SmolLM2-135M's forward while drafting on this project's 2-core CPU: dynamic int8
+28.1 -> 19.7 ms, weight-only int8 31.6 -> 24.4 ms (``python -m benchmarks.drafter_variants``,
+benchmarks/results/drafter-variants-smollm2-bf16-avx512/).
 
 The fused int8 layers are quantized per output channel from the dequantized weights, so an int8 model's
 logits differ from its transformers forward's (both approximate the float weights); a drafter's proposals
@@ -45,8 +46,8 @@ FORWARDS = ("auto", "lean", "transformers")
 
 def uses_lean(forward: str, model: torch.nn.Module, quantize: str) -> bool:
     """Whether ``forward`` runs ``model`` lean: "lean" insists (raises where unsupported), "transformers" never,
-    "auto" for an int8-quantized model (either kind) it supports (a drafter: 1.6x a pass, the measurement in this module's
-    docstring; a float target's pass is its matmuls, the overhead a few percent)."""
+    "auto" for an int8-quantized model (either kind) it supports: a drafter, 1.3-1.4x a pass (this module's
+    docstring); a float target's pass is its matmuls, the overhead a few percent."""
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
     reason = unsupported(model)

@@ -163,7 +163,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
     ``linear``: "auto" runs float32 Linear layers on the CPU through oneDNN with weights converted once
     (hetspec/linear.py: ~2x faster passes on this project's CPU), "onednn" insists, "torch" keeps torch's.
     ``forward``: "auto" runs an int8-quantized Llama-family model through ``hetspec.lean.LeanDecoder`` (a drafter's
-    pass ~1.6x faster), "lean" insists (Llama-family models only), "transformers" keeps the model's forward."""
+    pass 1.3-1.4x faster), "lean" insists (Llama-family models only), "transformers" keeps the model's forward."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if forward not in FORWARDS:
@@ -175,8 +175,9 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
             raise ValueError(f"quantize={quantize!r} (int8 CPU kernels) runs on the CPU only")
         dtype = "float32"
     onednn = uses_onednn(linear, DTYPES[dtype], device, quantize)
-    if slow := slow_dtype_warning(DTYPES[dtype], device):
-        log.warning("hetspec: %s: %s", spec, slow)
+    weight_only = quantize == "int8-weight-only"  # its matmuls take bfloat16 inputs (hetspec/int8.py)
+    if slow := slow_dtype_warning(torch.bfloat16 if weight_only else DTYPES[dtype], device):
+        log.warning("hetspec: %s: %s%s", spec, "int8-weight-only multiplies in bfloat16; " if weight_only else "", slow)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for but CUDA is not available")
     if threads:
