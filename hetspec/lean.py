@@ -5,14 +5,15 @@ dispatch outside the ops (SmolLM2-135M int8: ~20 ms a pass, ~12 ms of it in ops)
 layers, attention interface, cache and mask plumbing are most of that. This forward computes the same layers
 with the model's own weights and rotary embedding, writes keys and values straight into the pool through the
 pass's layout (hetspec/layouts.py), skips the mask where a query sees every key, and in an int8-quantized
-model multiplies q/k/v and gate/up as one quantized layer each (one activation quantization instead of five,
-121 matmuls a pass instead of 211). SmolLM2-135M's forward while drafting on this project's 2-core CPU: dynamic int8
+model multiplies q/k/v and gate/up as one quantized layer each (4 matmuls and input roundings a layer instead of
+7: 121 a pass instead of 211). SmolLM2-135M's forward while drafting on this project's 2-core CPU: dynamic int8
 28.1 -> 19.7 ms, weight-only int8 31.6 -> 24.4 ms (``python -m benchmarks.drafter_variants``,
 benchmarks/results/drafter-variants-smollm2-bf16-avx512/).
 
-The fused int8 layers are quantized per output channel from the dequantized weights, so an int8 model's
-logits differ from its transformers forward's (both approximate the float weights); a drafter's proposals
-change, never the output. Float layers are the model's own modules, called in transformers' order.
+Weight-only int8 layers (hetspec/int8.py) are joined exactly. Dynamic int8 layers are requantized per output
+channel from their dequantized weights, so such a model's logits differ from its transformers forward's (both
+approximate the float weights): a drafter's proposals change, never the output. Float layers are the model's own
+modules, called in transformers' order.
 
 Supported: ``llama`` and ``qwen2`` models whose layers all use full attention (``unsupported`` says why not);
 anything else keeps transformers' forward.
