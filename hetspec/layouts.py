@@ -79,10 +79,8 @@ class _PaddedPass(Cache):
         self.queries, self.keys = slots.shape[1], used
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         self.row_slice = slice(rows[0], rows[0] + len(rows)) if contiguous else None
-        # one row fed a chain (a request alone): its slots are a range, written by a slice instead of an index
-        first, end = int(slots[0, 0]), int(slots[0, 0]) + slots.shape[1]
-        chain = len(rows) == 1 and bool((slots[0] == torch.arange(first, end, device=slots.device)).all())
-        self.single = (rows[0], first, end) if chain else None
+        # a row fed alone has no padding, so its slots are a range (``padded``), written by a slice, not an index
+        self.single = (rows[0], int(slots[0, 0]), int(slots[0, 0]) + slots.shape[1]) if len(rows) == 1 else None
         super().__init__(layers=[_Layer(pool, index, self) for index in range(pool.layers)])
 
     def write(self, buffer: torch.Tensor, states: torch.Tensor) -> None:  # states: [batch, kv_heads, queries, head_dim]

@@ -91,6 +91,11 @@ def _fused(parts: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return parts
 
 
+def _side_by_side(parts: list[torch.nn.Module], hidden: torch.Tensor) -> torch.Tensor:
+    """The parts' outputs joined on the last dimension (one call where ``_fused`` joined them)."""
+    return parts[0](hidden) if len(parts) == 1 else torch.cat([part(hidden) for part in parts], -1)
+
+
 def _norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``LlamaRMSNorm``/``Qwen2RMSNorm``'s computation, in its order (bitwise the same), without a module call."""
     states = hidden.to(torch.float32)
@@ -134,11 +139,7 @@ class LeanDecoder(torch.nn.Module):
         rotated_heads = self.heads + self.kv_heads
         for index, layer in enumerate(self._layers):
             normed = _norm(layer.input_norm, hidden)
-            if len(layer.qkv) == 1:
-                qkv = layer.qkv[0](normed)
-            else:
-                qkv = torch.cat([projection(normed) for projection in layer.qkv], -1)
-            qkv = qkv.view(batch, queries, rotated_heads + self.kv_heads, self.head_dim).transpose(1, 2)
+            qkv = _side_by_side(layer.qkv, normed).view(batch, queries, rotated_heads + self.kv_heads, self.head_dim).transpose(1, 2)
             rotated = qkv[:, :rotated_heads]  # queries' and keys' heads: [batch, heads + kv_heads, queries, head_dim]
             rotated = rotated * cos + rotated.roll(half, -1) * signed_sin
             query_states, key_states = rotated[:, :self.heads], rotated[:, self.heads:]
@@ -149,10 +150,7 @@ class LeanDecoder(torch.nn.Module):
                 attn_mask=attention_mask, scale=layer.scaling, enable_gqa=self.kv_heads != self.heads)
             hidden = hidden + layer.o_proj(attended.transpose(1, 2).reshape(batch, queries, -1))
             normed = _norm(layer.post_attention_norm, hidden)
-            if len(layer.gate_up) == 1:
-                gate, up = layer.gate_up[0](normed).chunk(2, -1)
-            else:
-                gate, up = (projection(normed) for projection in layer.gate_up)
+            gate, up = _side_by_side(layer.gate_up, normed).chunk(2, -1)
             hidden = hidden + layer.down_proj(layer.act_fn(gate) * up)
         kept = hidden[:, -logits_to_keep:] if isinstance(logits_to_keep, int) else hidden[:, logits_to_keep]
         return self.lm_head(_norm(self.norm, kept))
