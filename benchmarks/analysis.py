@@ -29,6 +29,7 @@ import statistics
 from collections import defaultdict
 
 import numpy as np
+import torch
 
 from benchmarks.methods import HETSPEC_FAMILIES, HF_PEERS, RunRecord
 
@@ -83,6 +84,18 @@ def first_difference(reference: list[int], candidate: list[int]) -> int | None:
         if expected != got:
             return position
     return None if len(reference) == len(candidate) else min(len(reference), len(candidate))
+
+
+def top2_margin(target, prompt_ids: list[int], generated: list[int]) -> tuple[float, list[int]]:
+    """The target's (a ``hetspec.LanguageModel``) top-1 minus top-2 logit after ``prompt_ids + generated``, one
+    prefill, and the two ids: how close to a numerical tie the token where two outputs part was."""
+    session = target.new_session()
+    try:
+        logits = session.extend(prompt_ids + generated, logits_to_keep=1)[0]
+    finally:
+        session.release()
+    top = torch.topk(logits, 2)
+    return float(top.values[0] - top.values[1]), top.indices.tolist()
 
 
 def interpolated_cost(costs: dict[int, float], tokens: int) -> float:

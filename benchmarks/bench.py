@@ -125,17 +125,6 @@ def measure_costs(runner: Runner, case: PromptCase, records: list[RunRecord], re
     return costs
 
 
-def top2_margin(runner: Runner, prompt_ids: list[int], generated: list[int]) -> tuple[float, list[int]]:
-    """The target's top-1 minus top-2 logit after ``prompt_ids + generated`` (one prefill)."""
-    session = runner.target.new_session()
-    try:
-        logits = session.extend(prompt_ids + generated, logits_to_keep=1)[0]
-    finally:
-        session.release()
-    top = torch.topk(logits, 2)
-    return float(top.values[0] - top.values[1]), top.indices.tolist()
-
-
 def find_divergences(runner: Runner, cases: list[PromptCase], records: list[RunRecord],
                      greedy: bool) -> dict[str, list[dict | None]]:
     """Per method, per prompt: None when the output equals ar's, else where it first differs and why."""
@@ -153,7 +142,8 @@ def find_divergences(runner: Runner, cases: list[PromptCase], records: list[RunR
                     "method_token": record.token_ids[position] if position < len(record.token_ids) else None}
             if greedy and item["reference_token"] is not None:
                 case = next(case for case in cases if case.prompt_id == record.prompt_id)
-                margin, top2 = top2_margin(runner, runner.prompt_ids(case), reference.token_ids[:position])
+                margin, top2 = analysis.top2_margin(runner.target, runner.prompt_ids(case),
+                                                    reference.token_ids[:position])
                 item.update(target_top2_margin=margin, target_top2_ids=top2)
         result.setdefault(record.method, []).append(item)
     return result

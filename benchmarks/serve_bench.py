@@ -189,6 +189,34 @@ class InProcess:
                 timing.stats = event.stats.to_dict()
         return clock.done()
 
+    def divergence(self, prompt: str, server_ids: list[int], library_ids: list[int]) -> dict | None:
+        """Where the server's output first parts from the library's (None: equal), and the target's top-2 logit
+        margin there after the library's prefix: a tie (a margin of a rounding step) is the one difference the
+        two may show, where passes of other widths round differently (bfloat16 above all)."""
+        from benchmarks import analysis
+
+        position = analysis.first_difference(library_ids, server_ids)
+        if position is None:
+            return None
+        item = {"position": position,
+                "server_id": server_ids[position] if position < len(server_ids) else None,
+                "library_id": library_ids[position] if position < len(library_ids) else None}
+        target = self.engine.target
+        margin, top2 = analysis.top2_margin(target, target.encode_prompt(prompt), library_ids[:position])
+        return {**item, "target_top2_margin": margin, "target_top2_ids": top2}
+
+
+def paired_differences(library: InProcess, prompts: list[tuple[str, str]], timings: list[RequestTiming],
+                       library_timings: list[RequestTiming]) -> list[dict]:
+    """Each paired request whose server output is not the library's: where, and how close to a tie."""
+    texts = dict(prompts)
+    differences = []
+    for server, own in zip(timings, library_timings):
+        if server.error is None and (item := library.divergence(texts[server.prompt_id], server.token_ids,
+                                                                own.token_ids)):
+            differences.append({"prompt_id": server.prompt_id, **item})
+    return differences
+
 
 async def run_paired(send: Send, library: InProcess, prompts: list[tuple[str, str]],
                      total_requests: int) -> tuple[list[RequestTiming], list[RequestTiming], float]:
@@ -302,6 +330,13 @@ def markdown(result: dict) -> str:
                          f"{cost['server_ms_per_token']:.1f} | {cost['server_over_library']:.3f} | "
                          f"{cost['library_tokens_per_second']:.2f} | {cost['library_tokens_per_target_pass']:.2f} | "
                          f"{'yes' if cost['identical_tokens'] else 'NO'} |")
+        differences = [(row, item) for row in paired for item in row.get("differences", [])]
+        lines += [""] if differences else []
+        for row, item in differences:
+            lines.append(f"- {row['protocol']} {item['prompt_id']}: first differs at token {item['position']} "
+                         f"(server {item['server_id']}, library {item['library_id']}); the target's top-2 logit "
+                         f"margin there {item['target_top2_margin']:.4g} (ids {item['target_top2_ids']}, "
+                         "one prefill of the library's prefix)")
     return "\n".join(lines) + "\n"
 
 
@@ -369,6 +404,7 @@ async def run_protocols(args: argparse.Namespace, options: RequestOptions, promp
                     if library is not None and concurrency == 1:
                         timings, library_timings, wall = await run_paired(send, library, prompts, args.requests)
                         level = {"overhead": overhead(timings, library_timings),
+                                 "differences": paired_differences(library, prompts, timings, library_timings),
                                  "library_timings": [asdict(timing) for timing in library_timings]}
                     else:
                         timings, wall = await run_load(send, prompts, concurrency, args.requests)

@@ -269,6 +269,33 @@ def test_serve_bench_pairs_each_request_with_the_library_and_reports_overhead():
     assert not overhead(timings, library_timings)["identical_tokens"]
 
 
+def test_serve_bench_reports_where_a_paired_output_parts_from_the_librarys():
+    from benchmarks.serve_bench import RequestTiming, markdown, paired_differences
+
+    class Library:
+        def divergence(self, prompt, server_ids, library_ids):
+            self.asked = (prompt, server_ids, library_ids)
+            return None if server_ids == library_ids else {"position": 2, "server_id": 9, "library_id": 3,
+                                                           "target_top2_margin": 0.125, "target_top2_ids": [9, 3]}
+
+    library = Library()
+    server = [RequestTiming("grpc", "a", token_ids=[1, 2, 3]), RequestTiming("grpc", "b", token_ids=[1, 2, 9]),
+              RequestTiming("grpc", "c", token_ids=[], error="UNAVAILABLE")]
+    own = [RequestTiming("library", pid, token_ids=[1, 2, 3]) for pid in "abc"]
+    differences = paired_differences(library, [("a", "x"), ("b", "y"), ("c", "z")], server, own)
+    assert differences == [{"prompt_id": "b", "position": 2, "server_id": 9, "library_id": 3,
+                            "target_top2_margin": 0.125, "target_top2_ids": [9, 3]}]
+    assert library.asked == ("y", [1, 2, 9], [1, 2, 3])  # the failed request was not compared
+    level = {**summarize_load("grpc", 1, server, 1.0), "differences": differences, "overhead": {
+        "library_ms_per_token": 1.0, "server_ms_per_token": 1.1, "server_over_library": 1.1,
+        "library_tokens_per_second": 1000.0, "identical_tokens": False, "library_tokens_per_target_pass": 1.5}}
+    meta = report.provenance(["--x"], "server", module="benchmarks.serve_bench")
+    settings = {"label": "t", "grpc": "g", "http": "h", "model": "m", "requests": 3, "max_new_tokens": 3,
+                "task": "humaneval", "options": {}}
+    text = markdown({"meta": meta, "settings": settings, "levels": [level]})
+    assert "- grpc b: first differs at token 2 (server 9, library 3); the target's top-2 logit margin there 0.125" in text
+
+
 @pytest.mark.real
 def test_serve_bench_in_process_runs_the_configs_pair_like_the_library():
     from pathlib import Path
@@ -283,6 +310,12 @@ def test_serve_bench_in_process_runs_the_configs_pair_like_the_library():
     assert timing.tokens == 8 and timing.stats["generated_tokens"] == 8 and timing.first_token_seconds > 0
     reference = Engine(library.engine.target).generate("def add(a, b):", {"max_new_tokens": 8})
     assert timing.token_ids == reference.token_ids
+    # a server output parting from the library's at token 3: the target's own (greedy) token there leads its top 2
+    parted = timing.token_ids[:3] + [timing.token_ids[3] + 1]
+    item = library.divergence("def add(a, b):", parted, timing.token_ids)
+    assert item["position"] == 3 and item["server_id"] == parted[3] and item["library_id"] == timing.token_ids[3]
+    assert item["target_top2_ids"][0] == timing.token_ids[3] and item["target_top2_margin"] >= 0
+    assert library.divergence("def add(a, b):", timing.token_ids, timing.token_ids) is None
 
 
 @pytest.mark.real
