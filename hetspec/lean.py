@@ -139,7 +139,8 @@ class LeanDecoder(torch.nn.Module):
         rotated_heads = self.heads + self.kv_heads
         for index, layer in enumerate(self._layers):
             normed = _norm(layer.input_norm, hidden)
-            qkv = _side_by_side(layer.qkv, normed).view(batch, queries, rotated_heads + self.kv_heads, self.head_dim).transpose(1, 2)
+            qkv = _side_by_side(layer.qkv, normed)
+            qkv = qkv.view(batch, queries, rotated_heads + self.kv_heads, self.head_dim).transpose(1, 2)
             rotated = qkv[:, :rotated_heads]  # queries' and keys' heads: [batch, heads + kv_heads, queries, head_dim]
             rotated = rotated * cos + rotated.roll(half, -1) * signed_sin
             query_states, key_states = rotated[:, :self.heads], rotated[:, self.heads:]

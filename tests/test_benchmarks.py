@@ -293,7 +293,8 @@ def test_serve_bench_reports_where_a_paired_output_parts_from_the_librarys():
     settings = {"label": "t", "grpc": "g", "http": "h", "model": "m", "requests": 3, "max_new_tokens": 3,
                 "task": "humaneval", "options": {}}
     text = markdown({"meta": meta, "settings": settings, "levels": [level]})
-    assert "- grpc b: first differs at token 2 (server 9, library 3); the target's top-2 logit margin there 0.125" in text
+    assert ("- grpc b: first differs at token 2 (server 9, library 3); "
+            "the target's top-2 logit margin there 0.125") in text
 
 
 @pytest.mark.real
