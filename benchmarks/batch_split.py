@@ -24,7 +24,8 @@ import torch
 from benchmarks.batch_bench import hf_batched
 from benchmarks.prompts import load_prompts
 from hetspec import load_model
-from hetspec.kv import Feed, forward
+from hetspec.forward import forward
+from hetspec.kv import Feed
 
 
 def library_batch(target, prompt_ids: list[list[int]], packed: bool, steps: int) -> tuple[float, float]:

@@ -3,7 +3,7 @@
 Each case is a list of feed widths, one row each, every row after its own context of ``--context`` tokens:
 ``1x8`` is eight decoding rows, ``1x7+21`` seven decoding rows and a prompt's last chunk of 21 tokens. Both
 layouts run case by case, interleaved, best of ``--repeats``, on one loaded model; the logits of the two are
-compared. ``auto`` is the layout ``hetspec.kv.forward`` picks.
+compared. ``auto`` is the layout ``hetspec.forward.forward`` picks.
 
     python -m benchmarks.layout_cost --model qwen2.5-coder-1.5b --dtype float32 --threads 2
 """
@@ -16,7 +16,8 @@ import time
 import torch
 
 from hetspec import load_model
-from hetspec.kv import PACK_ABOVE_PADDING, Feed, forward
+from hetspec.forward import PACK_ABOVE_PADDING, forward
+from hetspec.kv import Feed
 
 CASES = ["1x1", "1x8", "4x8", "1x4+2x2+4x2", "1x7+21", "1x7+128", "4x7+21", "128"]
 

@@ -12,7 +12,7 @@ times single-token forwards (KV cache, 200-token context):
 - ``first lane``: ``ModelThreads`` (loads on its first lane, runs there), alone;
 - ``first lane after a burst``: the same after two calls at once (a side lane came and went);
 - ``first lane, other requests in flight``: a one-thread share, as while the other model holds requests;
-- ``batched, from the callers' threads``: two requests decoding through ``hetspec.kv.SharedPasses`` (one pass
+- ``batched, from the callers' threads``: two requests decoding through ``hetspec.passes.SharedPasses`` (one pass
   of 2 rows per token, as a served worker batches them) driven from two caller threads, the way an actor's
   call threads would drive it without ``ModelThreads``; ms per pass;
 - ``batched, on ModelThreads``: the same with the passes on ``ModelThreads`` (``execute=lanes.run``), as
@@ -95,7 +95,7 @@ def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: in
         return load_model(model_id, dtype=dtype, quantize=quantize, threads=threads)
 
     if setting == "batched, from the callers' threads":
-        from hetspec.kv import SharedPasses
+        from hetspec.passes import SharedPasses
 
         model = ThreadPoolExecutor(1).submit(load).result()
         return _batched_pass_ms(SharedPasses(model), model, tokens)
@@ -121,7 +121,7 @@ def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: in
         for other in leftover:
             other.run(lambda: torch.ones(512, 512) @ torch.ones(512, 512))  # a parallel op: the lane's team
     if setting == "batched, on ModelThreads":
-        from hetspec.kv import SharedPasses
+        from hetspec.passes import SharedPasses
 
         return _batched_pass_ms(SharedPasses(model, execute=lanes.run), model, tokens)
     return lanes.run(_token_ms, model, tokens)[0]

@@ -8,7 +8,7 @@ target ``TargetSide.verify``. Alignment and the bookkeeping stay in the coordina
 Batching: ``draft_many`` and ``verify_many`` take the step of several requests at once (the coordinator
 gathers them, deployments/pipeline.py ``StepBatches``). Each request's step is a computation of the
 library's (a generator of passes), and every computation of every call shares the model's passes through
-``hetspec.kv.SharedPasses``: one pass feeds every request waiting at that moment, and a call that arrives
+``hetspec.passes.SharedPasses``: one pass feeds every request waiting at that moment, and a call that arrives
 while a pass runs joins the next one (drafts of several requests advance together, one verification pass
 checks every request's draft). A session's prompt is prefilled in chunks when it opens
 (``pipeline.prefill_chunk_tokens``), each chunk in a pass with the others' rows, packed (hetspec/layouts.py),
@@ -35,7 +35,8 @@ import torch
 from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
 from hetspec.decoder import TargetSide
-from hetspec.kv import PassRecord, SharedPasses, prefill
+from hetspec.passes import PassRecord, SharedPasses
+from hetspec.prefill import prefill
 from hetspec.models import LanguageModel, load_model
 from hetspec.output import TokenLogprob
 from hetspec.tree import TokenTree

@@ -1,7 +1,7 @@
 """The decode loop, once: a step over a batch of requests (continuous batching), every algorithm.
 
 A step: every running request that drafts gets its draft length; the drafter drafts for all of them in
-lockstep, one batched pass per draft position (``hetspec.kv.run_lockstep``); each draft is aligned to target
+lockstep, one batched pass per draft position (``hetspec.passes.run_lockstep``); each draft is aligned to target
 ids (string level, per request); one batched target pass verifies every request's candidates (ragged lengths,
 chains and trees), a joining request's prompt chunk riding along (packed: it widens no other row); each request
 commits its accepted tokens and releases text through its ``OutputText``. Requests join and leave at any
@@ -26,7 +26,9 @@ from hetspec.adaptive import LoadAdaptive
 from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.align import ends_at_character
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
-from hetspec.kv import Feed, Steps, prefill, run_lockstep
+from hetspec.kv import Feed
+from hetspec.passes import Steps, run_lockstep
+from hetspec.prefill import prefill
 from hetspec.lookup import ContextLookup, prompt_text
 from hetspec.models import LanguageModel
 from hetspec.output import DraftLength, OutputText, Stats, StreamEvent, TokenLogprob, token_logprobs

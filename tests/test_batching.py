@@ -22,7 +22,10 @@ from hetspec.adaptive import (BUDGET_WINDOW_S, DRAFT_MARGIN, EXPLORE, EXPLORE_BU
                               MIN_STEPS, OWN_PRIOR_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive)
 from hetspec.config import BatchingConfig
 from hetspec.decoder import BatchDecoder
-from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
+from hetspec.forward import forward
+from hetspec.kv import Feed
+from hetspec.passes import SharedPasses, Steps, run_alone, run_lockstep
+from hetspec.prefill import prefill
 
 TIE_MARGIN = 1e-4
 

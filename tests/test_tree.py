@@ -9,7 +9,7 @@ from synthetic import language_model, target_tokenizer
 from hetspec import SamplingParams, SpeculationConfig
 from hetspec.algorithms import ALGORITHM_CLASSES, Draft
 from hetspec.decoder import TargetSide
-from hetspec.kv import run_alone
+from hetspec.passes import run_alone
 from hetspec.tree import ROOT, chain_then_tree, trie, walk
 
 

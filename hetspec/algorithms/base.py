@@ -20,7 +20,8 @@ import torch
 from hetspec import vocab
 from hetspec.align import DrafterContext
 from hetspec.config import SamplingParams, SpeculationConfig
-from hetspec.kv import Feed, KVSession, Steps
+from hetspec.kv import Feed, KVSession
+from hetspec.passes import Steps
 from hetspec.lookup import point_mass_probs
 from hetspec.models import LanguageModel
 from hetspec.tree import TokenTree
@@ -141,8 +142,8 @@ class Algorithm:
               first_position: int, draft_round: int) -> Steps:
         """Propose up to k target tokens for output positions first_position.. after ``committed``.
 
-        A generator (``hetspec.kv.Steps``): it yields each drafter pass it needs and returns the Draft, so
-        many requests draft in lockstep, one batched pass per draft position (``hetspec.kv.run_lockstep``).
+        A generator (``hetspec.passes.Steps``): it yields each drafter pass it needs and returns the Draft, so
+        many requests draft in lockstep, one batched pass per draft position (``hetspec.passes.run_lockstep``).
         ``draft_round`` numbers this request's drafts (0, 1, ... speculative ones included): the drafter's
         random numbers are keyed by it and the position, so none is ever reused (``hetspec.sampling``)."""
         return Draft()
