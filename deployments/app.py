@@ -55,8 +55,7 @@ class HetSpecServer(GrpcMethods):
 
     async def actor_nodes(self) -> dict[str, str | None]:
         """The node ids of this replica's actors (placement checks)."""
-        target, drafter = await asyncio.gather(self.pipeline.target.call("node_id"),
-                                               self.pipeline.drafter.call("node_id"))
+        target, drafter = await asyncio.gather(self.pipeline.target.node_id(), self.pipeline.drafter.node_id())
         return {"coordinator": ray.get_runtime_context().get_node_id(), "target": target, "drafter": drafter}
 
     async def actor_handles(self) -> dict[str, Any]:

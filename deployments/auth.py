@@ -12,16 +12,10 @@ import hmac
 from typing import Iterable
 
 from deployments.config import AuthConfig
+from deployments.errors import Unauthenticated
 
 # HTTP routes open without a key: liveness probes must not need the secret.
 OPEN_HTTP_PATHS = frozenset({"/health"})
-
-
-class Unauthenticated(PermissionError):
-    """No API key, or a wrong one."""
-
-    def __reduce__(self):  # it crosses process boundaries (replica -> gRPC proxy) pickled
-        return Unauthenticated, (str(self),)
 
 
 class ApiKeys:

@@ -26,28 +26,16 @@ from hetspec.decoder import Progress
 from hetspec.output import StreamEvent
 from hetspec.models import LanguageModel
 
-from deployments.admission import Admission, Overloaded, RequestTimeout, Ticket
+from deployments.admission import Admission, Ticket
 from deployments.auth import ApiKeys
 from deployments.config import AppConfig
 from deployments.load_adaptive import ReplicaLoadAdaptive
 from deployments.metrics import coordinator_metrics
-from deployments.pipeline import DecodeLoop, PipelineStats, Step, StepBatches, Worker, WorkerLost
-from deployments.sessions import SessionLimitReached
-from deployments.workers import ModelInfo
+from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, WorkerLost
+from deployments.pipeline import DecodeLoop, PipelineStats, Step, StepBatches
+from deployments.worker_api import ModelInfo, OpenSession, WorkerClient
 
 log = logging.getLogger("ray.serve")
-
-
-class InvalidRequest(ValueError):
-    """The client's fault; ``field`` names the offending request field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self):  # it crosses process boundaries (replica -> gRPC proxy) pickled
-        return InvalidRequest, (self.field, self.message)
 
 
 class ChatMessage(StrictModel):
@@ -121,7 +109,7 @@ def _with_template(info: ModelInfo, chat_template: str | None) -> LanguageModel:
 
 
 class Coordinator:
-    def __init__(self, config: AppConfig, target: Worker, drafter: Worker, target_info: ModelInfo,
+    def __init__(self, config: AppConfig, target: WorkerClient, drafter: WorkerClient, target_info: ModelInfo,
                  drafter_info: ModelInfo):
         self.config = config
         self.target, self.drafter = target, drafter
@@ -244,7 +232,7 @@ class Coordinator:
                             arrived: float) -> AsyncIterator[StreamEvent]:
         """``arrived``: when the request reached this replica (time.perf_counter), for the latency metrics."""
         request_id, algorithm = prepared.request_id, prepared.algorithm
-        workers: list[Worker] = []  # the actors holding this request's sessions
+        workers: list[WorkerClient] = []  # the actors holding this request's sessions
         first_text_at: float | None = None
         finished = False
         self._track(+1)
@@ -300,21 +288,25 @@ class Coordinator:
             raise
         finally:
             self._track(-1)
-            closing.extend(worker.call_detached("close", request_id) for worker in workers)
+            closing.extend(worker.close(request_id) for worker in workers)
 
-    def _pinned_drafter(self) -> Worker | None:
+    def _pinned_drafter(self) -> WorkerClient | None:
         """The drafter for a new request, or None while it is being replaced (the request runs target-only)."""
         try:
             return self.drafter.pinned()
         except WorkerLost:
             return None
 
-    async def _open(self, prepared: Prepared, target: Worker, drafter: Worker | None) -> Worker | None:
+    async def _open(self, prepared: Prepared, target: WorkerClient,
+                    drafter: WorkerClient | None) -> WorkerClient | None:
         """Open the request's sessions; the drafter to use (None: lost while opening, decode target-only)."""
-        args = (prepared.algorithm.name, prepared.speculation, prepared.params)
         # In step, the target's prompt goes a chunk per target call with the others' verify calls
         # (deployments/pipeline.py DecodeLoop): prefilled here it ran beside the others' draft calls
-        opening = [target.call("open", prepared.request_id, prepared.target_prompt_ids, *args, prepared.pipelined)]
+        def session(prompt_ids: list[int], prefill_now: bool) -> OpenSession:
+            return OpenSession(prepared.request_id, prompt_ids, prepared.algorithm.name, prepared.speculation,
+                               prepared.params, prefill_now)
+
+        opening = [target.open(session(prepared.target_prompt_ids, prepared.pipelined))]
         if drafter is not None:
             # The drafter's prefill waits for the first draft (deployments/workers.py) unless the models work side by
             # side (pipelined): in step, the first draft comes when the target is idle, while at open the two
@@ -323,7 +315,7 @@ class Coordinator:
             # the prompt may never be drafted from
             prefill_now = prepared.pipelined and (not prepared.speculation.load_adaptive
                                                   or self.load_adaptive.drafting())
-            opening.append(drafter.call("open", prepared.request_id, prepared.drafter_prompt_ids, *args, prefill_now))
+            opening.append(drafter.open(session(prepared.drafter_prompt_ids, prefill_now)))
         # both settle before any error is raised, so no session is opened behind a failure's back
         target_error, drafter_error = [*await asyncio.gather(*opening, return_exceptions=True), None][:2]
         for error in (target_error, drafter_error):
@@ -342,9 +334,9 @@ class Coordinator:
         self.metrics.drafter_lost.inc()
 
     async def stats(self) -> dict:
-        async def actor_stats(worker: Worker) -> dict:
+        async def actor_stats(worker: WorkerClient) -> dict:
             try:
-                return await worker.call("stats")
+                return await worker.stats()
             except WorkerLost as error:
                 return {"error": str(error)}
 
@@ -356,7 +348,7 @@ class Coordinator:
                 "target": target, "drafter": drafter}
 
     async def check_health(self) -> None:
-        await asyncio.gather(self.target.call("ping"), self.drafter.call("ping"))
+        await asyncio.gather(self.target.ping(), self.drafter.ping())
 
     def _publish_load(self) -> None:
         """Running and waiting requests, and the KV memory they are admitted with, of this replica."""

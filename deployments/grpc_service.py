@@ -30,11 +30,10 @@ from pydantic import ValidationError
 
 from hetspec.output import ResultBuilder, StreamEvent, TokenLogprob
 
-from deployments.auth import Unauthenticated, grpc_api_key
-from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
-                                     RequestTimeout, serve_request_id, validation_to_invalid)
+from deployments.auth import grpc_api_key
+from deployments.coordinator import Coordinator, GenerationRequest, Prepared, serve_request_id, validation_to_invalid
+from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, Unauthenticated, WorkerLost
 from deployments.grpc_registration import UndecodableRequest
-from deployments.pipeline import WorkerLost
 from protos.hetspec.v1 import hetspec_pb2 as pb
 
 # GenerationRequest's names -> the proto's, for error details.

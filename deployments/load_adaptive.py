@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 from hetspec.adaptive import LoadAdaptive
 
+from deployments.worker_api import Drafted, VerifyResult
+
 
 class _Round:
     def __init__(self, cap: int | None, started: float) -> None:
@@ -100,10 +102,11 @@ class ReplicaLoadAdaptive:
         for a while (the coordinator then leaves its drafter prefill to its first draft)."""
         return not (self.running and self.round is not None and self.round.cap == 0)
 
-    def on_batch(self, method: str, items: list[tuple], outcomes: list[Any]) -> None:
+    def on_batch(self, phase: Any, items: list, outcomes: list[Any]) -> None:
         """A batched call came back (``StepBatches``): a round whose call fed a prompt's chunk is not measured.
-        ``verify_many`` answers an item that fed a chunk of its prompt with the prompt tokens left (an int);
-        ``VerifyResult.fed_prompt`` and ``Draft.fed_prompt`` say a pass of the call fed one."""
-        if self.round is not None and any(isinstance(outcome, int) or getattr(outcome, "fed_prompt", False)
+        A verify item without a draft fed a chunk of its prompt (its result has no new ids);
+        ``VerifyResult.fed_prompt`` and ``Drafted.fed_prompt`` say a pass of the call fed one."""
+        if self.round is not None and any(isinstance(outcome, (VerifyResult, Drafted)) and outcome.fed_prompt
+                                          or isinstance(outcome, VerifyResult) and not outcome.new_ids
                                           for outcome in outcomes):
             self.round.priced = False

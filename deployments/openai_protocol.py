@@ -17,7 +17,8 @@ from pydantic import Field, NonNegativeInt, ValidationInfo, field_validator
 from hetspec.config import Algorithm as AlgorithmName
 from hetspec.config import StrictModel
 
-from deployments.coordinator import ChatMessage, GenerationRequest, InvalidRequest
+from deployments.coordinator import ChatMessage, GenerationRequest
+from deployments.errors import InvalidRequest
 
 # Our SamplingParams names -> the OpenAI request's, for error messages (the coordinator's own limit check
 # names a bare max_new_tokens).

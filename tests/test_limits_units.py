@@ -10,9 +10,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from deployments.admission import Admission, Overloaded, RequestTimeout
+from deployments.admission import Admission
 from deployments.app import CONTROL_SLOTS, deployment_options
-from deployments.auth import ApiKeys, Unauthenticated, bearer_token, grpc_api_key
+from deployments.auth import ApiKeys, bearer_token, grpc_api_key
+from deployments.errors import Overloaded, RequestTimeout, Unauthenticated
 from deployments.config import AppConfig, AuthConfig, InvalidUserConfig, with_user_config
 from deployments.openai_api import RequireApiKey
 

@@ -14,15 +14,16 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from deployments.admission import Overloaded, RequestTimeout
 from deployments.app import deployment_options
-from deployments.auth import ApiKeys, Unauthenticated
+from deployments.auth import ApiKeys
 from deployments.config import AppConfig
-from deployments.coordinator import InvalidRequest
+from deployments.errors import (InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, Unauthenticated,
+                                UnknownSession, WorkerLost)
 from deployments.grpc_service import GrpcMethods, client_status, to_generation
 from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
-from deployments.pipeline import WorkerLost, _Speculation
-from deployments.sessions import Sessions, SessionLimitReached, UnknownSession
+from deployments.pipeline import _Speculation
+from deployments.worker_api import Drafted
+from deployments.sessions import Sessions
 from hetspec.algorithms import Draft
 from protos.generate import stale_stubs
 from protos.hetspec.v1 import hetspec_pb2 as pb
@@ -363,7 +364,7 @@ class TestGrpcClientErrors:
 def _usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
     async def resolve():
         pending = asyncio.get_running_loop().create_future()
-        pending.set_result(draft)
+        pending.set_result(Drafted(draft))
         return await _Speculation(pending, assumed, table or {}).usable(new_ids)
 
     return asyncio.run(resolve())[1]
@@ -426,7 +427,7 @@ def test_reconfigure_applies_to_new_requests_only_and_refuses_what_needs_a_redep
     from deployments.app import HetSpecServer
     from deployments.config import InvalidUserConfig
     from deployments.coordinator import GenerationRequest
-    from deployments.workers import ModelInfo
+    from deployments.worker_api import ModelInfo
     from hetspec import SamplingParams
     from serve_fixtures import small_app_args
 

@@ -45,10 +45,6 @@ class Draft:
     tree: TokenTree | None = None
     drafter_forwards: int = 0
     first_row: int = 0
-    seconds: float = 0.0  # time the drafter took (the server's statistics)
-    # the server's: a drafter pass since its previous call fed a context's chunk (a catch-up), so the load-adaptive
-    # policy leaves the step out of its measure (deployments/load_adaptive.py)
-    fed_prompt: bool = False
     source: str = "drafter"  # "drafter" (the drafter model) or "lookup" (the context lookup, hetspec/lookup.py)
 
     @property
