@@ -8,7 +8,7 @@ times single-token forwards (KV cache, 200-token context):
 - ``loading thread``: the forwards on the thread that loaded the model, as the library runs in process;
 - ``second thread``: loaded on one thread, run on another. Each thread that runs a parallel region keeps
   its own libgomp team, so the teams outnumber the CPUs. This is what a worker did before
-  deployments/model_threads.py;
+  deployments/runtime/model_threads.py;
 - ``first lane``: ``ModelThreads`` (loads on its first lane, runs there), alone;
 - ``first lane after a burst``: the same after two calls at once (a side lane came and went);
 - ``first lane, other requests in flight``: a one-thread share, as while the other model holds requests;
@@ -16,7 +16,7 @@ times single-token forwards (KV cache, 200-token context):
   of 2 rows per token, as a served worker batches them) driven from two caller threads, the way an actor's
   call threads would drive it without ``ModelThreads``; ms per pass;
 - ``batched, on ModelThreads``: the same with the passes on ``ModelThreads`` (``execute=lanes.run``), as
-  deployments/workers.py runs them;
+  deployments/workers/model_workers.py runs them;
 - ``first lane beside leftover lanes``: ``first lane`` while ``LEFTOVER_LANES`` other ``ModelThreads`` live on, each
   with the team of a parallel op it ran: what in-process workers never shut down (``_Worker.shutdown``) leave.
 """
@@ -88,7 +88,7 @@ def _batched_pass_ms(passes, language_model, tokens: int) -> float:
 
 def measure(setting: str, model_id: str, quantize: str, threads: int, tokens: int, dtype: str = "float32") -> float:
     """Milliseconds per token in this process for ``setting``."""
-    from deployments.model_threads import ModelThreads
+    from deployments.runtime.model_threads import ModelThreads
     from hetspec.models import load_model
 
     def load():

@@ -22,7 +22,7 @@ import yaml
 
 from benchmarks.prompts import load_prompts
 from benchmarks.serve_scaling import Served, served_config
-from deployments.cpu_env import CPU_ENV_FILE, cpu_env
+from deployments.runtime.cpu_env import CPU_ENV_FILE, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = ("without", "with", "with", "without")  # ABBA: drift of the machine falls on both alike

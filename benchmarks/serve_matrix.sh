@@ -70,7 +70,7 @@ for replicas in 1 2; do
   echo "== serve run $config_file" >&2
   serve run --address local "$config_file" >"$LOGS/serve-${replicas}replica.log" 2>&1 &
   SERVE_PID=$!
-  python deployments/client.py wait --url "$HTTP_URL" --timeout 900 \
+  python deployments/tools/client.py wait --url "$HTTP_URL" --timeout 900 \
     || { tail -n 40 "$LOGS/serve-${replicas}replica.log" >&2; exit 1; }
   if [ "$replicas" = 1 ]; then
     bench "${replicas}replica-unpipelined" --pipelined off --concurrency 1 4 --library "$config_file"

@@ -101,7 +101,7 @@ class TargetSide:
 
 class Progress:
     """A request's bookkeeping between steps, wherever its passes run: this process (``Request``) or the
-    server's workers (deployments/pipeline.py). Draft length, draft rounds, statistics, output text."""
+    server's workers (deployments/serving/pipeline.py). Draft length, draft rounds, statistics, output text."""
 
     def __init__(self, target: LanguageModel, params: SamplingParams, speculation: SpeculationConfig,
                  stats: Stats, prompt_ids: Sequence[int] = ()):

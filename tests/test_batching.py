@@ -537,8 +537,8 @@ def test_a_request_opening_as_the_last_one_closes_keeps_its_rows_buffers():
 
 
 def test_shared_passes_batch_calls_from_many_threads_and_equal_each_alone():
-    """What a served worker does (deployments/workers.py): calls from many threads share passes, joining at the
-    next pass; each gets what it gets alone; a long prompt's chunks join the others' passes, one chunk a pass
+    """What a served worker does (deployments/workers/model_workers.py): calls from many threads share passes, joining
+    at the next pass; each gets what it gets alone; a long prompt's chunks join the others' passes, one chunk a pass
     (packed); one failing computation fails alone."""
     model = language_model("target", target_tokenizer(), seed=0)
     prompts = [[index % 4] * (3 + 7 * index) for index in range(10)]  # 3 to 66 tokens: some above LONG_ABOVE_TOKENS

@@ -10,12 +10,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from deployments.admission import Admission
+from deployments.serving.admission import Admission
 from deployments.app import CONTROL_SLOTS, deployment_options
 from deployments.auth import ApiKeys, bearer_token, grpc_api_key
 from deployments.errors import Overloaded, RequestTimeout, Unauthenticated
 from deployments.config import AppConfig, AuthConfig, InvalidUserConfig, with_user_config
-from deployments.openai_api import RequireApiKey
+from deployments.api.openai_api import RequireApiKey
 
 SMALL_PAIR = {"target": {"model": "gemma3-270m"}, "drafter": {"model": "smollm2-135m"}}
 
@@ -374,7 +374,7 @@ def test_http_middleware_protects_every_route_but_health():
 
 def test_cors_is_off_by_default_and_answers_the_configured_origins():
     from deployments.config import CorsConfig
-    from deployments.openai_api import build_openai_app
+    from deployments.api.openai_api import build_openai_app
 
     class Keyed:  # what the middleware and the model routes ask of the coordinator
         api_keys = ApiKeys(["sk-right"])

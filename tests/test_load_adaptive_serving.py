@@ -1,4 +1,4 @@
-"""The load-adaptive draft length in the server (deployments/load_adaptive.py): measured from the batched calls,
+"""The load-adaptive draft length in the server (deployments/serving/load_adaptive.py): measured from the batched calls,
 chosen over the replica's running requests, and lossless (a coordinator on real workers in this process)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import Draft
 
-from deployments.load_adaptive import ReplicaLoadAdaptive
-from deployments.pipeline import Phase
-from deployments.worker_api import Drafted, DraftItem, OpenSession, VerifyItem, VerifyResult
+from deployments.serving.load_adaptive import ReplicaLoadAdaptive
+from deployments.serving.pipeline import Phase
+from deployments.workers.api import Drafted, DraftItem, OpenSession, VerifyItem, VerifyResult
 from serve_fixtures import in_process_coordinator, small_app_args
 
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUNT(*) FROM users WHERE",
@@ -120,7 +120,7 @@ def _served(exit_stack, gemma, smollm, **pipeline):
 
 @pytest.mark.parametrize("one_model_at_a_time", [False, True])
 def test_served_requests_with_load_adaptive_equal_the_target_alone(exit_stack, gemma, smollm, one_model_at_a_time):
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm,
                                                          one_model_at_a_time=one_model_at_a_time)
@@ -158,7 +158,7 @@ def test_the_target_worker_says_when_a_pass_fed_a_prompt_chunk(exit_stack, gemma
     """A step whose passes fed a prompt's chunk prices the prompt: the verify call after such a pass says so (the
     prefill at open here), the next one does not."""
     from deployments.config import AppConfig
-    from deployments.workers import TargetWorker
+    from deployments.workers.model_workers import TargetWorker
 
     config = AppConfig.model_validate(small_app_args())
     worker = exit_stack.enter_context(TargetWorker(gemma, config.pipeline))
@@ -179,7 +179,7 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(exit_sta
     pipelined request drafts nothing ahead (the next step would drop it); a request in step (not pipelined) always
     leaves the drafter's prefill to its first draft; the first draft prefills the prompt in chunks. The output
     stays the target's."""
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm, pipelined=True,
                                                          prefill_chunk_tokens=16)
@@ -236,10 +236,10 @@ def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one
 
 def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_the_others_verify_pass(exit_stack, gemma):
     """In step the coordinator opens the target's session without its prompt and sends a chunk per verify call
-    (deployments/pipeline.py DecodeLoop): each chunk shares the pass of the others' verifications, and the session
-    then verifies what a session prefilled at open does."""
+    (deployments/serving/pipeline.py DecodeLoop): each chunk shares the pass of the others' verifications, and the
+    session then verifies what a session prefilled at open does."""
     from deployments.config import AppConfig
-    from deployments.workers import TargetWorker
+    from deployments.workers.model_workers import TargetWorker
 
     config = AppConfig.model_validate(small_app_args(pipeline={"prefill_chunk_tokens": 16}))
     worker = exit_stack.enter_context(TargetWorker(gemma, config.pipeline))
@@ -285,7 +285,7 @@ def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(exit_stack, ge
 def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(exit_stack, gemma, smollm):
     """In step, the target's prompt goes a chunk per verify call; until it is in the cache the request is not in
     the policy's round (in process, ``BatchDecoder`` keeps a joining request out of ``running`` the same way)."""
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator, target_worker, _ = _served(exit_stack, gemma, smollm, pipelined=False, prefill_chunk_tokens=16)
     prompt = "def moving_average(values, window):\n    " * 5
@@ -344,7 +344,7 @@ def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pas
     """In step a drafter session opens without its prompt: drafted on the first step, that prefill held the first
     token (first tokens later than with speculation off: serve-scaling-arrive-f32/NOTES.md). Drafting starts at the
     second step, in process as served (``Progress.draft_length``); the output stays the target's."""
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator, _, drafter_worker = exit_stack.enter_context(in_process_coordinator(
         gemma, smollm, speculation={"algorithm": "slem"}, pipeline={"pipelined": False}))

@@ -350,7 +350,7 @@ def test_served_decode_loop_with_lookup_equals_the_library(exit_stack, gemma, sm
     are the library's (seed for seed: the same drafts, the same numbers)."""
     import asyncio
 
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
     from serve_fixtures import in_process_coordinator
 
     coordinator = exit_stack.enter_context(

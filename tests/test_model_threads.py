@@ -1,4 +1,5 @@
-"""deployments/model_threads.py: which threads run a worker's model work, and how many OpenMP threads each uses."""
+"""deployments/runtime/model_threads.py: which threads run a worker's model work, and how many OpenMP threads each
+uses."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from deployments import model_threads, workers
+from deployments.runtime import model_threads
+from deployments.workers import model_workers as workers
 from deployments.config import AppConfig
-from deployments.model_threads import ModelThreads, torch_openmp
-from deployments.worker_api import OpenSession, VerifyItem
-from deployments.workers import TargetWorker
+from deployments.runtime.model_threads import ModelThreads, torch_openmp
+from deployments.workers.api import OpenSession, VerifyItem
+from deployments.workers.model_workers import TargetWorker
 from hetspec.algorithms import Draft
 from hetspec import SamplingParams, SpeculationConfig
 from hetspec.config import ModelConfig

@@ -27,7 +27,7 @@ import httpx
 import pytest
 import yaml
 
-from deployments.local_serve import LocalServe, deploy, local_serve
+from deployments.tools.local_serve import LocalServe, deploy, local_serve
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc

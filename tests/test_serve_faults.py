@@ -60,7 +60,7 @@ class DrafterDyingAfter:
     (``drafts=-1``: it is already gone when the request opens its session), as an actor's would."""
 
     def __init__(self, worker, drafts: int):
-        from deployments.pipeline import LocalWorker
+        from deployments.workers.clients import LocalWorker
 
         self.worker = worker
         self.local = LocalWorker(worker)
@@ -105,7 +105,7 @@ def local_coordinator(gemma, smollm):
 
 @pytest.mark.parametrize("drafts, pipelined", [(-1, False), (1, False), (2, True)])
 def test_drafter_lost_mid_request_the_target_finishes_alone(local_coordinator, reference, drafts, pipelined):
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator = local_coordinator
     target_worker, drafter_worker = coordinator.target.worker, coordinator.drafter.worker

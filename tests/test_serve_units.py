@@ -19,11 +19,11 @@ from deployments.auth import ApiKeys
 from deployments.config import AppConfig
 from deployments.errors import (InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, Unauthenticated,
                                 UnknownSession, WorkerLost)
-from deployments.grpc_service import GrpcMethods, client_status, to_generation
-from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
-from deployments.pipeline import _Speculation
-from deployments.worker_api import Drafted
-from deployments.sessions import Sessions
+from deployments.api.grpc_service import GrpcMethods, client_status, to_generation
+from deployments.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from deployments.serving.pipeline import _Speculation
+from deployments.workers.api import Drafted
+from deployments.workers.sessions import Sessions
 from hetspec.algorithms import Draft
 from protos.generate import stale_stubs
 from protos.hetspec.v1 import hetspec_pb2 as pb
@@ -70,7 +70,7 @@ def test_app_config_rejects_unknown_fields_by_name():
 def test_worker_env_vars_become_the_model_actors_runtime_env(monkeypatch):
     import ray
 
-    from deployments.actors import _actor_options
+    from deployments.workers.actors import _actor_options
 
     monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)  # asking would start Ray
     preload = {"LD_PRELOAD": "libjemalloc.so.2"}
@@ -296,11 +296,9 @@ def _grpc_methods(run_error: Exception | None = None) -> GrpcMethods:
         raise run_error
         yield  # an async generator, like Coordinator.run
 
-    methods = GrpcMethods()
-    methods.coordinator = SimpleNamespace(
+    return GrpcMethods(SimpleNamespace(
         api_keys=ApiKeys(["sk-1"]), config=SimpleNamespace(limits=SimpleNamespace(default_max_new_tokens=4)),
-        prepare=lambda generation, request_id: SimpleNamespace(request_id="r-1"), run=run)
-    return methods
+        prepare=lambda generation, request_id: SimpleNamespace(request_id="r-1"), run=run))
 
 
 async def _answers(methods: GrpcMethods, method: str, context,
@@ -395,7 +393,7 @@ def test_grafana_dashboard_charts_every_metric_and_only_those():
     import json
     import re
 
-    from deployments.metrics import CoordinatorMetrics, WorkerMetrics
+    from deployments.runtime.metrics import CoordinatorMetrics, WorkerMetrics
 
     defined = {metric._name for owner in (CoordinatorMetrics(), WorkerMetrics()) for metric in vars(owner).values()}
     dashboard = json.loads((REPO / "cluster" / "grafana" / "hetspec.json").read_text())
@@ -426,8 +424,8 @@ def test_reconfigure_applies_to_new_requests_only_and_refuses_what_needs_a_redep
     """HetSpecServer.reconfigure (Serve's user_config) with the small pair's real tokenizers, no Ray."""
     from deployments.app import HetSpecServer
     from deployments.config import InvalidUserConfig
-    from deployments.coordinator import GenerationRequest
-    from deployments.worker_api import ModelInfo
+    from deployments.serving.request import GenerationRequest
+    from deployments.workers.api import ModelInfo
     from hetspec import SamplingParams
     from serve_fixtures import small_app_args
 

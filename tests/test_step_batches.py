@@ -1,4 +1,5 @@
-"""deployments/pipeline.py StepBatches: when the coordinator sends its requests' draft and verify calls together."""
+"""deployments/serving/pipeline.py StepBatches: when the coordinator sends its requests' draft and verify calls
+together."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import pytest
 
 from deployments.errors import WorkerLost
-from deployments.pipeline import Phase, StepBatches
+from deployments.serving.pipeline import Phase, StepBatches
 
 DRAFT, VERIFY = Phase.DRAFT, Phase.VERIFY
 

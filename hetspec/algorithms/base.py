@@ -33,9 +33,9 @@ class Draft:
     in process and between the server's processes.
 
     ``draft_probs`` is [rows, target_vocab] or None; candidate i's row is ``first_row + i`` (a speculative draft
-    used without its first token skips a row). Between processes it is a stored reference (deployments/workers.py).
-    SLEM drafts strings and ``align`` turns them into target ids: ``text`` for a chain, ``texts`` (one per
-    root-to-leaf branch) for a tree.
+    used without its first token skips a row). Between processes it is a stored reference
+    (deployments/workers/model_workers.py). SLEM drafts strings and ``align`` turns them into target ids: ``text`` for a
+    chain, ``texts`` (one per root-to-leaf branch) for a tree.
     """
 
     candidates: list[int] = field(default_factory=list)

@@ -5,10 +5,10 @@ process. They call the library's steps and nothing else, so the distributed loop
 ``hetspec.engine.Engine.stream`` computes: the drafter ``algorithm.draft`` on a ``DrafterSide``, the
 target ``TargetSide.verify``. Alignment and the bookkeeping stay in the coordinator.
 
-The API (deployments/worker_api.py): ``DrafterWorker`` is a ``DrafterAPI``, ``TargetWorker`` a ``TargetAPI``.
+The API (deployments/workers/api.py): ``DrafterWorker`` is a ``DrafterAPI``, ``TargetWorker`` a ``TargetAPI``.
 
 Batching: ``draft`` and ``verify`` take the step of several requests at once (the coordinator
-gathers them, deployments/pipeline.py ``StepBatches``). Each request's step is a computation of the
+gathers them, deployments/serving/pipeline.py ``StepBatches``). Each request's step is a computation of the
 library's (a generator of passes), and every computation of every call shares the model's passes through
 ``hetspec.passes.SharedPasses``: one pass feeds every request waiting at that moment, and a call that arrives
 while a pass runs joins the next one (drafts of several requests advance together, one verification pass
@@ -42,11 +42,11 @@ from hetspec.prefill import prefill
 from hetspec.models import LanguageModel, load_model
 
 from deployments.config import PipelineConfig
-from deployments.heap_trim import HeapTrimmer
-from deployments.metrics import worker_metrics
-from deployments.model_threads import ModelThreads
-from deployments.sessions import Sessions
-from deployments.worker_api import DraftItem, Drafted, ModelInfo, OpenSession, VerifyItem, VerifyResult
+from deployments.runtime.heap_trim import HeapTrimmer
+from deployments.runtime.metrics import worker_metrics
+from deployments.runtime.model_threads import ModelThreads
+from deployments.workers.sessions import Sessions
+from deployments.workers.api import DraftItem, Drafted, ModelInfo, OpenSession, VerifyItem, VerifyResult
 
 log = logging.getLogger("hetspec.workers")
 
@@ -70,12 +70,12 @@ class _Worker:
     role = "worker"
 
     def __init__(self, model: ModelConfig | LanguageModel, pipeline: PipelineConfig, release: Callable[[Any], None]):
-        # model work, loading included, runs on these threads, not on the actor's (deployments/model_threads.py)
+        # model work, loading included, runs on these threads, not on the actor's (deployments/runtime/model_threads.py)
         self.sessions: Sessions = Sessions(pipeline.max_sessions, pipeline.session_idle_timeout_s, release)
         # Requests at the other model take this model's cores too, unless the models are on different nodes or the
         # requests go in step. Not pipelined, a replica's requests draft together, then verify together
-        # (deployments/pipeline.py, StepBatches): the other model idles while this one runs, and a request between
-        # this model's calls is in the coordinator's turn (sending its tokens), not at the other model. Counted,
+        # (deployments/serving/pipeline.py, StepBatches): the other model idles while this one runs, and a request
+        # between this model's calls is in the coordinator's turn (sending its tokens), not at the other model. Counted,
         # it halved this model's threads while the cores idled: busy 84-87% of the cores at 8 clients
         # (benchmarks/results/serve-scaling-lazy-drafter-f32, CPU by process).
         shares_cores = pipeline.placement_strategy != "STRICT_SPREAD" and pipeline.pipelined
@@ -83,7 +83,7 @@ class _Worker:
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
             at_other_model=(lambda: self.sessions.elsewhere(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
         # whether a pass fed a prompt's chunk (a pass ~8x dearer) since the last call: the load-adaptive policy
-        # (deployments/load_adaptive.py) measures steps, and such a step priced the prompt, not the draft length
+        # (deployments/serving/load_adaptive.py) measures steps, and such a step priced the prompt, not the draft length
         self._fed_prompt = False
         self.model = self.model_threads.run(_load, model)[0]
         self.passes = SharedPasses(self.model, execute=self.model_threads.run, on_pass=self._record_pass)
@@ -107,7 +107,7 @@ class _Worker:
         """Free every session's KV row and end this worker's threads (session sweeper, heap trimmer, model lanes).
         For a worker built in a process that goes on (tests, an application embedding one): its threads would
         otherwise run for the process's life, and its model lanes' OpenMP teams slow every later model pass
-        (deployments/model_threads.py). An actor's process ends with the actor, and these with it."""
+        (deployments/runtime/model_threads.py). An actor's process ends with the actor, and these with it."""
         self.sessions.stop_sweeper()
         self.heap_trimmer.stop()
         self.sessions.close_all()

@@ -14,43 +14,28 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator
 
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 from ray.exceptions import TaskCancelledError
 
 from hetspec.algorithms import Algorithm, PairMaps, make_algorithm
-from hetspec.config import SamplingParams, SpeculationConfig, StrictModel
-from hetspec.config import Algorithm as AlgorithmName
+from hetspec.config import SamplingParams, SpeculationConfig
 from hetspec.decoder import Progress
 from hetspec.output import StreamEvent
 from hetspec.models import LanguageModel
 
-from deployments.admission import Admission, Ticket
 from deployments.auth import ApiKeys
 from deployments.config import AppConfig
-from deployments.load_adaptive import ReplicaLoadAdaptive
-from deployments.metrics import coordinator_metrics
 from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, WorkerLost
-from deployments.pipeline import DecodeLoop, PipelineStats, Step, StepBatches
-from deployments.worker_api import ModelInfo, OpenSession, WorkerClient
+from deployments.runtime.metrics import coordinator_metrics
+from deployments.serving.admission import Admission, Ticket
+from deployments.serving.load_adaptive import ReplicaLoadAdaptive
+from deployments.serving.pipeline import DecodeLoop, PipelineStats, Step, StepBatches
+from deployments.serving.request import GenerationRequest, request_speculation, validation_to_invalid
+from deployments.workers.api import ModelInfo, OpenSession, WorkerClient
 
 log = logging.getLogger("ray.serve")
-
-
-class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
-    content: str = Field(description="What is said.")
-
-
-class GenerationRequest(StrictModel):
-    prompt: str | None = Field(None, description="Plain prompt (exclusive with messages).")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, description="Chat turns, rendered by each "
-                                               "model's chat template (exclusive with prompt).")
-    params: SamplingParams = Field(description="Sampling and stop settings.")
-    algorithm: AlgorithmName | None = Field(None, description="Speculation algorithm; None: the server default.")
-    draft_tokens: int | None = Field(None, ge=1, le=64, description="Draft length k; None: the server default.")
-    pipelined: bool | None = Field(None, description="Pipeline drafting with verification; None: server default.")
 
 
 @dataclass
@@ -65,40 +50,6 @@ class Prepared:
     drafter_prompt_ids: list[int] | None
     pipelined: bool
     deadline: float | None = None  # time.monotonic() past which the request is stopped (limits.request_timeout_s)
-
-
-def request_speculation(server: SpeculationConfig, algorithm: str | None,
-                        draft_tokens: int | None) -> SpeculationConfig:
-    """The server's speculation settings with a request's overrides (None: keep the server's); a
-    ValidationError names the field a client got wrong."""
-    overrides = {name: value for name, value in (("algorithm", algorithm), ("draft_tokens", draft_tokens))
-                 if value is not None}
-    if overrides.get("algorithm") not in (None, "slem", "auto"):
-        overrides["tree_width"] = 1  # the server's SLEM draft tree does not apply to a chain-only algorithm
-    return SpeculationConfig.model_validate({**server.model_dump(), **overrides})
-
-
-def validation_to_invalid(error: ValidationError, renames: dict[str, str] | None = None) -> InvalidRequest:
-    """The first pydantic error as an InvalidRequest naming the field (in the client's own words)."""
-    first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"]) or "request"
-    for ours, theirs in (renames or {}).items():
-        field = field.replace(ours, theirs)
-    return InvalidRequest(field, first["msg"])
-
-
-def serve_request_id() -> str | None:
-    """Serve's id of the request being handled (it tags Serve's logs too); None outside a replica.
-
-    Private API: Ray Serve 2.60 has no public accessor for the current request's id (its public
-    ``serve.get_replica_context()`` describes the replica, ``serve.get_multiplexed_model_id()`` reads one field
-    of this same private context). Pinned with ray in pyproject; if it moves, requests get our own ids."""
-    try:
-        from ray.serve.context import _get_serve_request_context
-
-        return _get_serve_request_context().request_id or None
-    except Exception:  # noqa: BLE001 -- no Serve context: the coordinator makes an id
-        return None
 
 
 def _with_template(info: ModelInfo, chat_template: str | None) -> LanguageModel:
@@ -301,16 +252,16 @@ class Coordinator:
                     drafter: WorkerClient | None) -> WorkerClient | None:
         """Open the request's sessions; the drafter to use (None: lost while opening, decode target-only)."""
         # In step, the target's prompt goes a chunk per target call with the others' verify calls
-        # (deployments/pipeline.py DecodeLoop): prefilled here it ran beside the others' draft calls
+        # (deployments/serving/pipeline.py DecodeLoop): prefilled here it ran beside the others' draft calls
         def session(prompt_ids: list[int], prefill_now: bool) -> OpenSession:
             return OpenSession(prepared.request_id, prompt_ids, prepared.algorithm.name, prepared.speculation,
                                prepared.params, prefill_now)
 
         opening = [target.open(session(prepared.target_prompt_ids, prepared.pipelined))]
         if drafter is not None:
-            # The drafter's prefill waits for the first draft (deployments/workers.py) unless the models work side by
-            # side (pipelined): in step, the first draft comes when the target is idle, while at open the two
-            # prefills would share the cores (TTFT 14.3 s against 7.7 s without a drafter at 4 clients,
+            # The drafter's prefill waits for the first draft (deployments/workers/model_workers.py) unless the models
+            # work side by side (pipelined): in step, the first draft comes when the target is idle, while at open the
+            # two prefills would share the cores (TTFT 14.3 s against 7.7 s without a drafter at 4 clients,
             # benchmarks/results/serve-scaling-in-step-threads-f32); and at load, while the policy drafts nothing,
             # the prompt may never be drafted from
             prefill_now = prepared.pipelined and (not prepared.speculation.load_adaptive

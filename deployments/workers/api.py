@@ -1,9 +1,9 @@
 """The model workers' API: what the replica asks of its drafter and target, typed.
 
-``DrafterAPI`` and ``TargetAPI`` are what a worker offers (deployments/workers.py implements them, in process or
-as a Ray actor); ``WorkerClient`` is how the replica reaches one (deployments/pipeline.py: ``ActorWorker`` over
-Ray, ``LocalWorker`` on a thread). Every call is a real method: a reader, or a static tool, follows a request
-from the replica's loop to the worker's pass. A step's calls are batched: one ``draft`` or ``verify`` call
+``DrafterAPI`` and ``TargetAPI`` are what a worker offers (deployments/workers/model_workers.py implements them, in
+process or as a Ray actor); ``WorkerClient`` is how the replica reaches one (deployments/workers/clients.py:
+``ActorWorker`` over Ray, ``LocalWorker`` on a thread). Every call is a real method: a reader, or a static tool, follows
+a request from the replica's loop to the worker's pass. A step's calls are batched: one ``draft`` or ``verify`` call
 carries an item per request, and returns per item its result or the exception that item met (the others
 still run).
 """
@@ -47,7 +47,7 @@ class OpenSession:
     speculation: SpeculationConfig
     params: SamplingParams
     # the prompt into the KV row now; else the drafter's first draft feeds it, the target a chunk per verify item
-    # without a draft (the coordinator's choice, deployments/coordinator.py ``_open``)
+    # without a draft (the coordinator's choice, deployments/serving/coordinator.py ``_open``)
     prefill_now: bool = True
 
 
@@ -69,7 +69,7 @@ class Drafted:
     draft: Draft  # ``draft_probs``, if any, is a stored reference (``store``) between processes
     seconds: float = 0.0  # the call's time inside the drafter
     # a pass of the call fed a context's chunk (a catch-up): the load-adaptive policy leaves the step out of its
-    # measure (deployments/load_adaptive.py)
+    # measure (deployments/serving/load_adaptive.py)
     fed_prompt: bool = False
 
 
@@ -90,7 +90,7 @@ class VerifyResult:
     seconds: float = 0.0  # time inside the target
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked for them
     # a pass since the previous verify returned fed a prompt's chunk: the load-adaptive policy leaves its step out
-    # of the measure (deployments/load_adaptive.py)
+    # of the measure (deployments/serving/load_adaptive.py)
     fed_prompt: bool = False
     rows: int = 1  # requests fed by the pass that verified it (its batch)
     prompt_left: int = 0  # a prompt-chunk item: the prompt tokens still to feed

@@ -19,7 +19,6 @@ drafts differ, so the output is an equally distributed sample, not the same one.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import copy
 import time
 from contextlib import contextmanager
@@ -27,17 +26,14 @@ from enum import Enum
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Awaitable, Callable, Iterator
 
-from ray.exceptions import ActorDiedError, RayActorError
-
 from hetspec.algorithms import Algorithm, Draft
 from hetspec.align import ends_at_character
 from hetspec.decoder import Progress
 from hetspec.output import Stats, StreamEvent
 
 from deployments.errors import WorkerLost
-from deployments.load_adaptive import ReplicaLoadAdaptive
-from deployments.worker_api import (DraftItem, Drafted, DrafterAPI, OpenSession, TargetAPI, VerifyItem, VerifyResult,
-                                    WorkerClient)
+from deployments.serving.load_adaptive import ReplicaLoadAdaptive
+from deployments.workers.api import DraftItem, Drafted, VerifyItem, VerifyResult, WorkerClient
 
 
 @dataclass
@@ -101,7 +97,7 @@ class Phase(Enum):
 class StepBatches:
     """The draft and verify calls of a replica's decoding requests, gathered into one call per worker and step.
 
-    A worker runs the items of one call in shared passes (deployments/workers.py), so requests that step
+    A worker runs the items of one call in shared passes (deployments/workers/model_workers.py), so requests that step
     together cost one pass per round: the coordinator keeps them in step, as the library's ``BatchDecoder``
     does in process. Each member (a decoding request) is at any moment free (its own work, its client),
     pending (its call waits here) or in flight (in a call sent). A worker's pending calls leave together once
@@ -109,8 +105,8 @@ class StepBatches:
     than ``max_wait_s`` (a slow client) is not waited for. One request alone is never held back.
 
     ``one_model_at_a_time`` (``PipelineConfig``): where drafter and target share a node's cores and run in step
-    (not pipelined), the workers give each call every thread (deployments/workers.py), so a draft call beside a
-    verify call oversubscribes the cores. Two requests that reached different phases (one drafting while the
+    (not pipelined), the workers give each call every thread (deployments/workers/model_workers.py), so a draft call
+    beside a verify call oversubscribes the cores. Two requests that reached different phases (one drafting while the
     other's target prefill ran) send their draft and verify calls together at every step and stay out of
     phase: a batch of ~1 per pass, and drafter passes of 0.26-0.43 s against 0.035 s in step, at 2-4 clients
     (benchmarks/results/serve-scaling-drafter-price-f32/NOTES.md). With it, the pending calls of one worker
@@ -398,126 +394,9 @@ class DecodeLoop:
         return event
 
 
-class LocalWorker:
-    """A worker object in this process, called on a thread (tests; the Serve app uses actors). A ``WorkerClient``."""
-
-    def __init__(self, worker: DrafterAPI | TargetAPI) -> None:
-        self.worker = worker
-
-    @property
-    def identity(self) -> int:
-        """The same for every client of one worker (``StepBatches`` batches their calls together)."""
-        return id(self.worker)
-
-    def _call(self, method: Callable, *args) -> Awaitable:
-        # run_in_executor starts the call now, like an actor call, even if nobody awaits it (a close)
-        return asyncio.get_running_loop().run_in_executor(None, method, *args)
-
-    def open(self, session: OpenSession) -> Awaitable[None]:
-        return self._call(self.worker.open, session)
-
-    def close(self, request_id: str) -> Awaitable[bool]:
-        # shielded: a cancelled waiter (the loop shutting down, asyncio.run's end) must not cancel a close still
-        # queued for a thread, which then never ran and left the request's KV rows taken
-        return asyncio.shield(self._call(self.worker.close, request_id))
-
-    def draft(self, items: list[DraftItem]) -> Awaitable[list[Drafted | Exception]]:
-        return self._call(self.worker.draft, items)
-
-    def verify(self, items: list[VerifyItem]) -> Awaitable[list[VerifyResult | Exception]]:
-        return self._call(self.worker.verify, items)
-
-    def stats(self) -> Awaitable[dict]:
-        return self._call(self.worker.stats)
-
-    def ping(self) -> Awaitable[str]:
-        return self._call(self.worker.ping)
-
-    def node_id(self) -> Awaitable[str | None]:
-        return self._call(self.worker.node_id)
-
-    def pinned(self) -> "LocalWorker":
-        return self
-
-
-class ActorWorker:
-    """A worker Ray actor: a direct actor call (~1 ms) per step, no Serve handle hop (~3 ms). A ``WorkerClient``.
-
-    ``handle`` is replaced when the actor is (``deployments.actors``); while a replacement starts the worker
-    is not ``available`` and calls fail at once. A call that finds the actor dead raises ``WorkerLost`` and
-    reports the loss through ``on_lost``.
-    """
-
-    def __init__(self, role: str, handle=None, on_lost: Callable[[str], None] = lambda role: None) -> None:
-        self.role = role
-        self.handle = handle
-        self.on_lost = on_lost
-        self.available = True
-
-    @property
-    def identity(self) -> int:
-        """The same for every pinned copy of one actor (``StepBatches`` batches their calls together)."""
-        return id(self.handle)
-
-    def pinned(self) -> "ActorWorker":
-        if not self.available:
-            raise WorkerLost(self.role)
-        return ActorWorker(self.role, self.handle, self.on_lost)
-
-    def open(self, session: OpenSession) -> Awaitable[None]:
-        return self._call(self._available().open.remote(session))
-
-    def close(self, request_id: str) -> Awaitable[bool]:
-        # Ray cancels every call a cancelled task made, recursively, even one made while it unwinds; a call
-        # made from an empty context belongs to no task (what Serve's own long-poll client does).
-        return contextvars.Context().run(self.handle.close.remote, request_id)
-
-    def draft(self, items: list[DraftItem]) -> Awaitable[list[Drafted | Exception]]:
-        return self._call(contextvars.Context().run(self._available().draft.remote, items))
-
-    def verify(self, items: list[VerifyItem]) -> Awaitable[list[VerifyResult | Exception]]:
-        # Ray cancels every actor call a cancelled task made (recursively), a running one included: a batch
-        # call made from one request's task would go with that request. Made from an empty context, it
-        # belongs to no task (as close above).
-        return self._call(contextvars.Context().run(self._available().verify.remote, items))
-
-    def stats(self) -> Awaitable[dict]:
-        return self._call(self._available().stats.remote())
-
-    def ping(self) -> Awaitable[str]:
-        return self._call(self._available().ping.remote())
-
-    def node_id(self) -> Awaitable[str | None]:
-        return self._call(self._available().node_id.remote())
-
-    def _available(self):
-        """The actor's handle, or ``WorkerLost`` at once while a replacement starts."""
-        if not self.available:
-            raise WorkerLost(self.role)
-        return self.handle
-
-    def _call(self, ref) -> Awaitable:
-        task = asyncio.ensure_future(self._result(ref))
-        task.add_done_callback(_retrieve)  # a dropped speculative draft's failure is not worth a warning
-        return task
-
-    async def _result(self, ref):
-        try:
-            return await ref
-        except RayActorError as error:
-            if isinstance(error, ActorDiedError):
-                self.on_lost(self.role)
-            raise WorkerLost(self.role) from error
-
-
 async def _first(call: Awaitable):
     """The only outcome of a one-item batch call (raised if it is an exception)."""
     [outcome] = await call
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()

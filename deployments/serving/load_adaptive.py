@@ -2,7 +2,7 @@
 
 In process, one ``BatchDecoder`` step chooses the draft length of every request of the step at once and is timed
 whole. A replica's requests run their steps on their own tasks, kept in step by ``StepBatches``
-(deployments/pipeline.py), so here the steps are counted in rounds: a request asking again starts a new round,
+(deployments/serving/pipeline.py), so here the steps are counted in rounds: a request asking again starts a new round,
 whose cap is chosen over the replica's running requests as they stand then, and every request asking within the
 round gets that cap (the policy's probes and its exploring steps then count steps, as in process, not requests).
 A round is measured as a step is: its seconds run from its start to the next round's (both models' calls and the
@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from hetspec.adaptive import LoadAdaptive
 
-from deployments.worker_api import Drafted, VerifyResult
+from deployments.workers.api import Drafted, VerifyResult
 
 
 class _Round:

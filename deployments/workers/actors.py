@@ -19,9 +19,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import ActorResources, AppConfig
 from deployments.errors import ModelLoadFailed
-from deployments.pipeline import ActorWorker
-from deployments.worker_api import ModelInfo
-from deployments.workers import DrafterWorker, TargetWorker
+from deployments.workers.clients import ActorWorker
+from deployments.workers.api import ModelInfo
+from deployments.workers.model_workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("ray.serve")
 
