@@ -1,4 +1,4 @@
-"""Batched decoding (hetspec/decoder.py, hetspec/kv.py) is exact: every request of a batch gets the tokens the
+"""Batched decoding (hetspec/step.py, hetspec/kv.py) is exact: every request of a batch gets the tokens the
 target alone gives it at batch size 1.
 
 Greedy in float32 on the real pair (Gemma 3 270M target, SmolLM2 135M drafter): batches that mix prompt
@@ -21,7 +21,7 @@ from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.adaptive import (BUDGET_WINDOW_S, DRAFT_MARGIN, EXPLORE, EXPLORE_BUDGET, EXPLORE_MAX, HOPELESS_BUDGET,
                               MIN_STEPS, OWN_PRIOR_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive)
 from hetspec.config import BatchingConfig
-from hetspec.decoder import BatchDecoder
+from hetspec.step import BatchDecoder
 from hetspec.forward import forward
 from hetspec.kv import Feed
 from hetspec.passes import SharedPasses, Steps, run_alone, run_lockstep

@@ -269,7 +269,7 @@ class DecodeLoop:
         self.batches.join(self)
         try:
             # Each chunk goes with the others' verify calls (one target pass feeds them and the chunk), as a joining
-            # prompt does in process (hetspec/decoder.py's BatchDecoder); prefilled at open, it ran beside draft
+            # prompt does in process (hetspec/step.py's BatchDecoder); prefilled at open, it ran beside draft
             # calls. The draft length policy counts it as a row meanwhile, and as drafting once it steps.
             if self.load_adaptive is not None:
                 self.load_adaptive.arrive(self.progress)
