@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.headline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", choices=sorted(PAIR_SETTINGS), default="realistic")
     parser.add_argument("--num-prompts", type=int, default=10)
-    parser.add_argument("--prompt-stride", type=int, default=16, help="every N-th HumanEval prompt (HumanEval/0, /16...)")
+    parser.add_argument("--prompt-stride", type=int, default=16,
+                        help="every N-th HumanEval prompt (HumanEval/0, /16...)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="torch (and llama.cpp) threads")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_scaling.main(served_argv(args, out / "served"))
         served = served_rows(json.loads((out / "served" / "result.json").read_text()))
     machine = single["meta"]["machine"]
-    headline = {"pair": f"{single['settings']['target']} <- {single['settings']['drafter']} ({single['settings']['dtype']})",
+    settings = single["settings"]
+    headline = {"pair": f"{settings['target']} <- {settings['drafter']} ({settings['dtype']})",
                 "machine": f"{report.describe_machine(machine)}, {machine['torch_threads']} threads",
                 "date": meta["date"], "commit": meta["git_commit"], "command": meta["command"],
                 "single": single_row(single), "served": served}

@@ -94,8 +94,9 @@ def summary_table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PEER_COLUMNS = [("method", "peer", 0), ("tokens_per_second", "tok/s", 2), ("speedup_vs_ar_median", "speedup (median)", 2),
-                ("speedup_vs_ar_geomean", "speedup (geo)", 2), ("ms_per_token", "ms/token", 1),
+PEER_COLUMNS = [("method", "peer", 0), ("tokens_per_second", "tok/s", 2),
+                ("speedup_vs_ar_median", "speedup (median)", 2), ("speedup_vs_ar_geomean", "speedup (geo)", 2),
+                ("ms_per_token", "ms/token", 1),
                 ("prompts_same_as_ar", "prompts with ar's tokens", 0)]
 
 
