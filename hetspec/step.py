@@ -85,7 +85,7 @@ class Scheduler:
         running = list(self.running)
         # the requests whose prompts are being fed count as rows (None: they run within a few steps): the cap is
         # chosen at the load the batch has (served, the first rows to step drafted at their own few while the
-        # others' prompts waited: benchmarks/results/serve-scaling-budget-f32/NOTES.md)
+        # others' prompts waited: docs/decisions/load-adaptive-draft-length.md)
         cap = self.adaptive.choose({**dict.fromkeys(self.joining), **{
             request: request.draft_length(request.drafter is not None) for request in running}}) \
             if self.adaptive else None
