@@ -359,13 +359,17 @@ class TestGrpcClientErrors:
         assert context.code == grpc.StatusCode.UNAVAILABLE and "target actor is gone" in context.details
 
 
-def _usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
+def _spent_and_usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
     async def resolve():
         pending = asyncio.get_running_loop().create_future()
-        pending.set_result(Drafted(draft))
+        pending.set_result(Drafted(draft, seconds=0.5))
         return await _Speculation(pending, assumed, table or {}).usable(new_ids)
 
-    return asyncio.run(resolve())[1]
+    return asyncio.run(resolve())
+
+
+def _usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
+    return _spent_and_usable(draft, assumed, new_ids, table)[1]
 
 
 class TestSpeculationHits:
@@ -387,6 +391,12 @@ class TestSpeculationHits:
     @pytest.mark.parametrize("text", [b" word", b" world"], ids=["disagrees", "nothing after the bonus"])
     def test_text_draft_miss(self, text):
         assert _usable(Draft(text=text), assumed=[1], new_ids=[1, 9], table={9: b" world"}) is None
+
+    @pytest.mark.parametrize("new_ids", [[1, 2, 9], [1, 7], [1, 2, 8]], ids=["hit", "chunk rejected", "wrong guess"])
+    def test_hit_or_miss_the_spent_draft_comes_back_for_its_drafter_passes_and_seconds(self, new_ids):
+        drafted = Draft(candidates=[9, 4, 5], drafter_forwards=3)
+        spent, _ = _spent_and_usable(drafted, assumed=[1, 2], new_ids=new_ids)
+        assert isinstance(spent, Drafted) and spent.draft is drafted and spent.seconds == 0.5
 
 
 def test_grafana_dashboard_charts_every_metric_and_only_those():

@@ -71,7 +71,7 @@ class _Speculation:
         draft = spent.draft
         bonus = new_ids[-1]
         if new_ids[:-1] != self.assumed_candidates:
-            return draft, None
+            return spent, None
         if draft.candidates:  # a draft of target ids (TLI, SLRS, SD): its first id guessed the bonus token
             if draft.candidates[0] != bonus or len(draft.candidates) == 1:
                 return spent, None
