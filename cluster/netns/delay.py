@@ -20,6 +20,7 @@ import json
 import os
 import random
 import select
+import socket
 import signal
 import struct
 import time
@@ -66,13 +67,14 @@ def open_tun(device: str) -> int:
 class Forwarder:
     """Holds packets in a heap ordered by release time; ``counts`` says what it did (printed on exit)."""
 
-    def __init__(self, fd: int, settings_path: Path, seed: int = 0):
-        self.fd, self.settings_path = fd, settings_path
+    def __init__(self, fd: int, settings_path: Path, seed: int = 0, wire_path: Path | None = None):
+        self.fd, self.settings_path, self.wire_path = fd, settings_path, wire_path
         self.rng = random.Random(seed)
         self.settings, self.settings_mtime = DelaySettings(), 0.0
         self.held: list[tuple[float, int, bytes]] = []  # (release time, arrival number, packet)
         self.arrivals = 0
         self.counts = {"forwarded": 0, "dropped": 0}
+        self.wire: dict[str, list[int]] = {}  # "source>destination" -> [packets, IP bytes] offered to the wire
 
     def reload_settings(self) -> None:
         try:
@@ -88,11 +90,26 @@ class Forwarder:
                 packet = os.read(self.fd, MAX_PACKET)
             except BlockingIOError:
                 return
+            self.count_on_wire(packet)
             if self.settings.loss and self.rng.random() < self.settings.loss:
                 self.counts["dropped"] += 1
                 continue
             self.arrivals += 1
             heapq.heappush(self.held, (now + self.settings.release_after_s(self.rng), self.arrivals, packet))
+
+    def count_on_wire(self, packet: bytes) -> None:
+        if len(packet) < 20 or packet[0] >> 4 != 4:
+            return
+        key = f"{socket.inet_ntoa(packet[12:16])}>{socket.inet_ntoa(packet[16:20])}"
+        counted = self.wire.setdefault(key, [0, 0])
+        counted[0] += 1
+        counted[1] += len(packet)
+
+    def write_wire(self) -> None:
+        if self.wire_path is not None:
+            tmp = self.wire_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.wire))
+            tmp.replace(self.wire_path)
 
     def release(self, now: float) -> None:
         while self.held and self.held[0][0] <= now:
@@ -109,6 +126,7 @@ class Forwarder:
             now = time.monotonic()
             if now >= next_poll:
                 self.reload_settings()
+                self.write_wire()
                 next_poll = now + SETTINGS_POLL_S
             wait = min(next_poll, self.held[0][0] if self.held else next_poll) - now
             readable, _, _ = select.select([self.fd], [], [], max(0.0, wait))
@@ -123,8 +141,10 @@ def main() -> None:
     parser.add_argument("--device", required=True, help="the persistent TUN device to attach to")
     parser.add_argument("--settings", required=True, type=Path, help="JSON delay settings, re-read on change")
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter and loss draws")
+    parser.add_argument("--wire", type=Path, help="JSON file of packets and bytes per source>destination pair, "
+                        "rewritten every 0.1 s")
     args = parser.parse_args()
-    forwarder = Forwarder(open_tun(args.device), args.settings, args.seed)
+    forwarder = Forwarder(open_tun(args.device), args.settings, args.seed, args.wire)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # teardown's SIGTERM: print the counts, exit
     try:
         forwarder.run()

@@ -60,6 +60,25 @@ for _ in range(int(sys.argv[2])):
     times.append((time.perf_counter() - start) * 1000)
 print(statistics.median(times))
 """
+SINK_SERVER = f"""
+import socket, sys
+server = socket.create_server((sys.argv[1], {ECHO_PORT}))
+print("ready", flush=True)
+conn, _ = server.accept()
+while conn.recv(1 << 20):
+    pass
+"""
+SOURCE_CLIENT = f"""
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], {ECHO_PORT}))
+chunk, total = bytes(1 << 16), int(sys.argv[2]) << 20
+start = time.perf_counter()
+for _ in range(total // len(chunk)):
+    conn.sendall(chunk)
+conn.shutdown(socket.SHUT_WR)
+conn.recv(1)
+print(total / (time.perf_counter() - start) / 1e6)
+"""
 RAY_PORT, DASHBOARD_PORT, METRICS_PORT, HTTP_PORT, GRPC_PORT = 6379, 8265, 8080, 8000, 9000
 
 
@@ -126,6 +145,15 @@ class Network:
     def settings_path(self) -> Path:
         return self.workdir / "delay.json"
 
+    @property
+    def wire_path(self) -> Path:
+        return self.workdir / "wire.json"
+
+    def wire_bytes(self) -> dict[tuple[str, str], int]:
+        """IP bytes offered to the wire so far, per (source, destination) address (0.1 s old at most)."""
+        counted = json.loads(self.wire_path.read_text()) if self.wire_path.exists() else {}
+        return {tuple(key.split(">")): value[1] for key, value in counted.items()}
+
     def namespaces(self) -> list[str]:
         return [self.router, *(f"{self.prefix}-{i}" for i in range(1, self.count + 1))]
 
@@ -168,7 +196,7 @@ class Network:
         self.set_delay(DelaySettings(one_way_ms=self.one_way_ms or 0.0))
         log = open(self.workdir / "forwarder.log", "w")
         subprocess.Popen(["ip", "netns", "exec", self.router, sys.executable, "-m", "cluster.netns.delay",
-                          "--device", TUN, "--settings", str(self.settings_path)],
+                          "--device", TUN, "--settings", str(self.settings_path), "--wire", str(self.wire_path)],
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=log)
 
     def set_delay(self, settings: DelaySettings) -> None:
@@ -189,6 +217,19 @@ class Network:
         try:
             server.stdout.readline()  # "ready"
             out = sh(sys.executable, "-c", ECHO_CLIENT, destination.address, str(count), netns=source.netns).stdout
+            return float(out)
+        finally:
+            server.kill()
+            server.wait()
+
+    def throughput_mb_s(self, source: Host, destination: Host, megabytes: int = 200) -> float:
+        """MB/s of one TCP stream from ``source`` to ``destination`` over the router."""
+        server = subprocess.Popen(["ip", "netns", "exec", destination.netns, sys.executable, "-c", SINK_SERVER,
+                                   destination.address], stdout=subprocess.PIPE, text=True)
+        try:
+            server.stdout.readline()  # "ready"
+            out = sh(sys.executable, "-c", SOURCE_CLIENT, destination.address, str(megabytes),
+                     netns=source.netns).stdout
             return float(out)
         finally:
             server.kill()
@@ -312,7 +353,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--hosts", type=int, default=3)
     parser.add_argument("--rtt-ms", type=float, default=None, help="RTT between hosts (none: no forwarder)")
     parser.add_argument("--ray", action="store_true", help="start a Ray node in each host")
+    parser.add_argument("--measure", action="store_true", help="print the link's RTT and TCP throughput with "
+                        "the kernel routing and through the forwarder at 0 ms, then exit")
     args = parser.parse_args(argv)
+    if args.measure:
+        for one_way in (None, 0.0):
+            with test_hosts(args.hosts, one_way) as hosts:
+                _, source, destination = hosts.network.hosts
+                print(f"{'kernel routing' if one_way is None else 'forwarder, 0 ms added'}: RTT "
+                      f"{hosts.network.rtt_ms(source, destination):.3f} ms, one TCP stream "
+                      f"{hosts.network.throughput_mb_s(source, destination):.0f} MB/s", flush=True)
+        return
     one_way = None if args.rtt_ms is None else args.rtt_ms / 2
     with test_hosts(args.hosts, one_way) as hosts:
         if args.ray:
