@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks import analysis, plots, report
+from benchmarks import analysis, llama_peer, plots, report
 from benchmarks.meter import cost_sizes, pass_costs
 from benchmarks.methods import FAMILIES, MethodSpec, RunRecord, Runner, build_methods
 from benchmarks.prompts import TASKS, PromptCase, load_prompts
@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: its default alone)")
     parser.add_argument("--hf-lookup-tokens", type=int, nargs="+", default=[10],
                         help="hf-lookup: transformers' prompt_lookup_num_tokens settings")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also run llama.cpp on the target's GGUF file, greedy (benchmarks/llama_peer.py; skipped "
+                             "with a message when llama-cpp-python is not installed)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -97,11 +100,31 @@ def resolve_models(args: argparse.Namespace) -> tuple[str, str, str, str]:
     return args.label or label, target, drafter, args.dtype or dtype
 
 
-def warm_up(runner: Runner, methods: list[MethodSpec], case: PromptCase, tokens: int) -> None:
+def run_entry(runner: Runner, entry, case: PromptCase, max_new_tokens: int | None = None):
+    """One run of a harness method (a RunRecord) or of a peer outside the harness (a llama_peer.PeerRun)."""
+    if isinstance(entry, MethodSpec):
+        return runner.run(entry, case, max_new_tokens=max_new_tokens)
+    return entry.run(case.prompt_id, runner.prompt_ids(case), max_new_tokens or runner.params.max_new_tokens)
+
+
+def warm_up(runner: Runner, entries: list, case: PromptCase, tokens: int) -> None:
     if tokens <= 0:
         return
-    for spec in tqdm(methods, desc="warm-up", leave=False):
-        runner.run(spec, case, max_new_tokens=tokens)
+    for entry in tqdm(entries, desc="warm-up", leave=False):
+        run_entry(runner, entry, case, tokens)
+
+
+def make_peers(args: argparse.Namespace, target_spec: str, target, greedy: bool) -> tuple[list, str | None]:
+    """The peers outside the harness that ``args`` asks for, and why one was skipped (None: none was)."""
+    if not args.llama_cpp:
+        return [], None
+    if not greedy:
+        raise SystemExit("--llama-cpp: the llama.cpp peer decodes greedily only (drop --temperature)")
+    if not llama_peer.available():
+        print(llama_peer.INSTALL_HINT, file=sys.stderr)
+        return [], llama_peer.INSTALL_HINT
+    peer = llama_peer.LlamaCppPeer(llama_peer.gguf_of(target_spec), torch.get_num_threads(), target.eos_token_ids)
+    return [peer], None
 
 
 def measure_costs(runner: Runner, case: PromptCase, records: list[RunRecord], repeats: int) -> dict:
@@ -169,17 +192,21 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
                             tuple(args.lookup_min_match or [None]))
     runner = Runner(engine, params, args.chat, same_vocabulary, adaptive_start=max(args.draft_tokens),
                     confidence_threshold=args.confidence_threshold)
+    peers, peer_skipped = make_peers(args, target_spec, target, params.greedy)
+    entries = [*methods, *peers]
     records: list[RunRecord] = []
+    peer_runs: list[llama_peer.PeerRun] = []
     costs: dict[str, dict] = {}
     try:
-        warm_up(runner, methods, cases[0], args.warmup_tokens)
-        with tqdm(total=len(cases) * len(methods), desc="runs") as bar:
+        warm_up(runner, entries, cases[0], args.warmup_tokens)
+        with tqdm(total=len(cases) * len(entries), desc="runs") as bar:
             for index, case in enumerate(cases):
-                order = methods[index % len(methods):] + methods[:index % len(methods)]
+                order = entries[index % len(entries):] + entries[:index % len(entries)]
                 prompt_records = []
-                for spec in order:
-                    bar.set_postfix_str(f"{case.prompt_id} {spec.name}")
-                    prompt_records.append(runner.run(spec, case))
+                for entry in order:
+                    bar.set_postfix_str(f"{case.prompt_id} {entry.name}")
+                    run = run_entry(runner, entry, case)
+                    (prompt_records if isinstance(entry, MethodSpec) else peer_runs).append(run)
                     bar.update()
                 prompt_records.sort(key=lambda record: [spec.name for spec in methods].index(record.method))
                 records += prompt_records
@@ -189,6 +216,9 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
     finally:
         runner.close()
     summary = analysis.summarize(records, divergences, costs or None)
+    reference = {record.prompt_id: (record.token_ids, record.seconds) for record in records if record.method == "ar"}
+    peer_summary = [llama_peer.summarize_peer([run for run in peer_runs if run.method == peer.name], reference)
+                    for peer in peers] if reference else []
     settings = {"pair_label": label, "target": target_spec, "drafter": drafter_spec, "dtype": dtype,
                 "device": args.device, "task": args.task, "num_prompts": len(cases), "prompt_offset": args.prompt_offset,
                 "prompt_stride": args.prompt_stride,
@@ -206,7 +236,9 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> tuple[dict, Path
                            "prompt_tokens": len(runner.prompt_ids(case))} for case in cases],
               "pass_costs": {prompt: {model: {str(size): seconds for size, seconds in table.items()}
                                       for model, table in tables.items()} for prompt, tables in costs.items()},
-              "runs": [{**asdict(record), **analysis.run_metrics(record)} for record in records]}
+              "runs": [{**asdict(record), **analysis.run_metrics(record)} for record in records],
+              "peers": {"settings": {peer.name: peer.settings() for peer in peers}, "summary": peer_summary,
+                        "skipped": peer_skipped, "runs": [asdict(run) for run in peer_runs]}}
     folder = args.out or RESULTS_DIR / f"{label}-{args.task}-{dtype}-{datetime.datetime.now():%Y%m%d-%H%M}"
     return result, folder
 
@@ -238,6 +270,8 @@ def run(argv: list[str]) -> dict:
     for path in write_results(result, folder, not args.no_plots):
         print(path)
     print(report.summary_table(result["summary"]))
+    if result["peers"]["summary"]:
+        print(report.peer_table(result["peers"]["summary"]))
     return result
 
 

@@ -94,6 +94,21 @@ def summary_table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PEER_COLUMNS = [("method", "peer", 0), ("tokens_per_second", "tok/s", 2),
+                ("speedup_vs_ar_median", "speedup (median)", 2), ("speedup_vs_ar_geomean", "speedup (geo)", 2),
+                ("ms_per_token", "ms/token", 1),
+                ("prompts_same_as_ar", "prompts with ar's tokens", 0)]
+
+
+def peer_table(rows: list[dict]) -> str:
+    """The peers outside the harness (llama.cpp): wall-clock figures only, no forward counts."""
+    lines = ["| " + " | ".join(title for _, title, _ in PEER_COLUMNS) + " |",
+             "|" + "|".join("---" for _ in PEER_COLUMNS) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row[key], digits) for key, _, digits in PEER_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
 def divergence_lines(summary: list[dict]) -> list[str]:
     lines = []
     for row in summary:
@@ -126,6 +141,15 @@ def markdown(result: dict) -> str:
             "implementation efficiency; priced share = forwards at those prices / wall time (ar's well below 1: "
             "the baseline ran on a slower machine and the speedups of its prompts are inflated). "
             "See benchmarks/README.md.", ""]
+    peers = result.get("peers") or {}
+    if peers.get("summary"):
+        out += ["## Peers outside the harness", "", peer_table(peers["summary"]), "",
+                *(f"- {name}: {settings}" for name, settings in peers["settings"].items()), "",
+                "llama.cpp decodes the target's GGUF file as it is (quantized weights), greedy, the same prompt "
+                "token ids; its tokens may part from ar's where the two runtimes' numerics differ "
+                "(benchmarks/llama_peer.py).", ""]
+    elif peers.get("skipped"):
+        out += [f"> {peers['skipped']}", ""]
     if head["best_hetspec"]:
         out += ["## Against the issue's targets", "",
                 f"- best hetspec: {head['best_hetspec']}: {_fmt(head['speedup_vs_ar'])}x over ar "

@@ -61,7 +61,7 @@ class PipelineConfig(StrictModel):
         "drafter and target on the same cores in step (not pipelined, not STRICT_SPREAD), where each call takes "
         "every thread: requests out of phase otherwise run both models at once at every step and stay out of "
         "phase. On 2 CPU cores the requests then ran in full batches (3.8-4.0 of 4 clients, 7.8-8.0 of 8; "
-        "benchmarks/results/serve-scaling-prefill-in-step-f32/NOTES.md); deployments/config.yaml turns it on. Off "
+        "docs/decisions/served-in-step.md); deployments/config.yaml turns it on. Off "
         "where the models have their own devices or are pipelined: there drafting beside verifying is the point."))
     worker_env_vars: dict[str, str] = Field(default_factory=dict, description=(
         "Environment variables of the drafter and target actors' processes (Ray's runtime_env env_vars), set "

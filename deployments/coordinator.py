@@ -319,7 +319,7 @@ class Coordinator:
             # The drafter's prefill waits for the first draft (deployments/workers.py) unless the models work side by
             # side (pipelined): in step, the first draft comes when the target is idle, while at open the two
             # prefills would share the cores (TTFT 14.3 s against 7.7 s without a drafter at 4 clients,
-            # benchmarks/results/serve-scaling-in-step-threads-f32); and at load, while the policy drafts nothing,
+            # docs/decisions/served-in-step.md); and at load, while the policy drafts nothing,
             # the prompt may never be drafted from
             prefill_now = prepared.pipelined and (not prepared.speculation.load_adaptive
                                                   or self.load_adaptive.drafting())

@@ -4,7 +4,7 @@ Why: under an hour of mixed traffic the drafter's RSS climbed ~3.5 MiB/min while
 (jemalloc's heap profiles; docs/deploy.md, "Memory allocator of the model workers"): glibc keeps the pages of
 freed buffers of many sizes, in several threads' arenas, mapped. ``MALLOC_MMAP_THRESHOLD_=65536`` gives each
 big buffer back as it is freed, but then every one is mapped and faulted in anew: the realistic pair ran 21%
-slower with it (benchmarks/results/allocator-speed-realistic). glibc's ``malloc_trim(0)`` gives back the free
+slower with it (docs/decisions/heap-trim.md). glibc's ``malloc_trim(0)`` gives back the free
 pages of every arena in one call, a cost paid once per interval instead of once per buffer. Under another
 allocator (jemalloc preloaded: its own decay returns pages) or another C library the call is a no-op or absent.
 """

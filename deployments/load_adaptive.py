@@ -54,7 +54,7 @@ class ReplicaLoadAdaptive:
         """``progress``'s prompt is being fed: a row of the replica's load, not drafting until it joins. Counted
         in the rows the cap is chosen at, so at a wave's start the first requests to step do not choose drafting at
         their own few rows while the others' prompts wait their turn (at 8 clients one such round took ~1.1 s
-        against a plain round's 0.44: benchmarks/results/serve-scaling-budget-f32/NOTES.md). In process,
+        against a plain round's 0.44: docs/decisions/load-adaptive-draft-length.md). In process,
         ``BatchDecoder`` counts its joining requests the same way."""
         self.running[progress] = lambda: None
 

@@ -4,8 +4,8 @@ that arrive while it is busy, the CPU threads split among the calls.
 Why not the actor's own call threads: a Ray actor with ``max_concurrency`` runs each call on one of a pool
 of threads, and OpenMP sizes every new thread at OMP_NUM_THREADS (Ray sets it to the actor's ``num_cpus``,
 1 here), whatever ``torch.set_num_threads`` said in the constructor's thread. The target's passes took ~15%
-longer served than in process that way (oneDNN's bf16 linear layers 2x; benchmarks/results/
-serve-before-thread-fix). Why a split: one request alone should get every thread (its latency), concurrent
+longer served than in process that way (oneDNN's bf16 linear layers 2x; docs/decisions/model-threads.md).
+Why a split: one request alone should get every thread (its latency), concurrent
 requests should not oversubscribe the cores (throughput). A call gets ``threads // sharing``, at least 1.
 ``sharing`` counts the calls running here, plus one while other requests are at the other model, whose
 passes use the same cores. Each share sizes both OpenMP and MKL, which keeps its own count.
@@ -14,7 +14,7 @@ Why one lasting lane, with the model loaded on it, and side lanes that end: libg
 for every thread that has run a parallel region with more than one thread. Once the teams hold more threads
 than the process has CPUs, libgomp stops spinning between parallel regions, and each region then waits on a
 futex to wake its team. That cost comes with every region, so it hurts small passes most: the int8
-drafter's token took 50 ms instead of 20 ms (benchmarks/results/serve-openmp-teams). So only the first lane
+drafter's token took 50 ms instead of 20 ms (docs/decisions/model-threads.md). So only the first lane
 keeps a team. The constructor's thread runs no model work. A side lane's thread ends once the first lane is
 free again, and its team goes with it.
 """
@@ -105,7 +105,7 @@ class ModelThreads:
         a process that goes on (tests, an application embedding a worker): each lane's libgomp team goes with its
         thread, and teams left over past the CPU count make every parallel region of the process wake its team
         on a futex (the module docstring): beside 22 leftover lanes a token cost 1.46-1.64x
-        (benchmarks/results/model-threads-leftover-lanes)."""
+        (docs/decisions/model-threads.md)."""
         with self._changed:
             self._stopped = True
             self._changed.notify_all()
@@ -162,7 +162,7 @@ class ModelThreads:
         """Under ``_changed``: the threads of a call starting now, at most ``most``. Requests at the other model
         (being served, not in a call here) have its passes take the same cores: one more call. Counted as
         requests in calls here, a batched call of n requests read as n - 1 elsewhere and ran every pass on
-        one thread of two (benchmarks/results/serve-scaling-onednn-f32/NOTES.md)."""
+        one thread of two (docs/decisions/model-threads.md)."""
         sharing = self._running + (1 if self.at_other_model() else 0)
         return max(1, min(most, self.threads // sharing))
 

@@ -121,7 +121,7 @@ class StepBatches:
     verify call oversubscribes the cores. Two requests that reached different phases (one drafting while the
     other's target prefill ran) send their draft and verify calls together at every step and stay out of
     phase: a batch of ~1 per pass, and drafter passes of 0.26-0.43 s against 0.035 s in step, at 2-4 clients
-    (benchmarks/results/serve-scaling-drafter-price-f32/NOTES.md). With it, the pending calls of one worker
+    (docs/decisions/served-in-step.md). With it, the pending calls of one worker
     leave and the others wait; the members they free call again and join them, so the phases merge. A prompt
     goes a chunk per target call (``DecodeLoop``), so it too waits for the draft calls in flight.
 
@@ -189,7 +189,7 @@ class StepBatches:
         # With one model at a time, the worker whose call went the longest ago first, then the most waiting: the
         # fewer follow once the first call is back. By the count alone, a request drafting beside three decoding
         # plain waited for the drafter until they had all finished, as they called the target again before every
-        # turn came round (a 22.7 s stall: benchmarks/results/serve-scaling-first-token-rounds2-f32/NOTES.md).
+        # turn came round (a 22.7 s stall: docs/decisions/served-in-step.md).
         for key in sorted(self._pending, key=lambda key: (self._last_sent.get(key, -1), -len(self._pending[key]))):
             if not self._pending[key]:
                 del self._pending[key]

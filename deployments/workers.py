@@ -102,7 +102,7 @@ class _Worker:
         # (deployments/pipeline.py, StepBatches): the other model idles while this one runs, and a request between
         # this model's calls is in the coordinator's turn (sending its tokens), not at the other model. Counted,
         # it halved this model's threads while the cores idled: busy 84-87% of the cores at 8 clients
-        # (benchmarks/results/serve-scaling-lazy-drafter-f32, CPU by process).
+        # (docs/decisions/served-in-step.md, CPU by process).
         shares_cores = pipeline.placement_strategy != "STRICT_SPREAD" and pipeline.pipelined
         self.model_threads = ModelThreads(
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,

@@ -19,21 +19,21 @@ models, both choices:
   step left out of the seconds is taken again, once: in the server the first drafting round after over 32 plain
   ones catches the drafter's context up and is left out, so once exploring steps came that far apart drafting was
   never timed again and stayed priced by its earlier steps (the likely cause of a served level at 1 client
-  drafting once in 64 steps: benchmarks/results/serve-scaling-hopeful-f32/NOTES.md).
+  drafting once in 64 steps: docs/decisions/load-adaptive-draft-length.md).
 
 Why measured: a model of the passes' prices (a line fitted to the target's and the drafter's passes) and of
 acceptance (a geometric rate per drafted token) settled a lone request at k = 1 or 0 on a 2-core CPU, where
 drafting k = 5 gave 1.18x the target alone: the CPU's price of a pass is concave in its width, drafts cut short by
 the confidence threshold left the fit without wide passes, a per-token rate from 1-token drafts undervalues long
 drafts (acceptance comes in runs), and ~40 ms a step run between the passes
-(benchmarks/results/batch-adaptive-prior-f32/NOTES.md). A step's committed tokens and its seconds hold all of that.
+(docs/decisions/load-adaptive-draft-length.md). A step's committed tokens and its seconds hold all of that.
 Pooled alone, tokens a row let the request before decide the next one's choice: a served level at 1 client that
 followed a prompt with little accepted drafted in 0-1 steps a request, its own drafts never tried
-(benchmarks/results/serve-scaling-measured-f32/NOTES.md). So drafting's tokens a row are each running request's own
+(docs/decisions/load-adaptive-draft-length.md). So drafting's tokens a row are each running request's own
 drafting steps, weighed against OWN_PRIOR_STEPS steps at the pooled figure, and a request joining brings the
 exploring steps back to EXPLORE apart where its drafts could make drafting pay (were it to accept as well as the
 best of the last requests), so they get tried. Not everywhere: at 2 clients, where drafting lost even so, exploring
-for every newcomer cost ~5% (benchmarks/results/serve-scaling-own-f32/NOTES.md). A request's own tally counts its
+for every newcomer cost ~5% (docs/decisions/load-adaptive-draft-length.md). A request's own tally counts its
 every drafting step, measured or not (the first drafting step after a plain stretch feeds the drafter the context:
 left out of the seconds, its tokens are still what the request accepted).
 Only the draft length is chosen here, never what is verified: it changes speed, not the output.
@@ -55,7 +55,7 @@ PRIOR_ROWS, PRIOR_TOKENS = 4, 2.0
 # refills runs underfull at its end, and drafting adds side costs (the drafter catching up a context, its sessions).
 # Without it, at 8 clients each sending one request, a measured near-tie (~16 tokens/s either way at 8 rows) chose
 # drafting and the level ran at 0.82x of speculation off, its batch underfull for its last 16 s of 40 (a served run:
-# benchmarks/results/serve-scaling-measured-catchup-f32/NOTES.md)
+# docs/decisions/load-adaptive-draft-length.md)
 DRAFT_MARGIN = 0.1
 # A request's own drafting steps weigh against this many steps at the pooled figure: on its first exploring step a
 # request accepting 3 tokens a step where the one before accepted 1.56 reads 1.85, enough to draft again on this CPU
@@ -67,18 +67,18 @@ EXPLORE_MAX = 128  # the longest interval, reached while the choice holds
 # a catch-up and a retried step included) exceeds this fraction of the time recorded: at 8 clients on this CPU an
 # exploring drafting round with its catch-up took ~1.7 s and its retry ~1.0 s against plain decoding's ~0.44, and
 # on the schedule alone (each request drafting in 3-5 rounds of its 64) 8 clients ran at 0.89x of speculation off
-# (benchmarks/results/serve-scaling-hopeful-f32/NOTES.md); at 1 client a drafting step costs ~0.17 s more
+# (docs/decisions/load-adaptive-draft-length.md); at 1 client a drafting step costs ~0.17 s more
 EXPLORE_BUDGET = 0.05
 # Exploring a draft that could not pay even at the best acceptance lately seen, priced at the batch size's measured
 # (or interpolated) seconds, waits for this smaller budget: at 8 clients such a round and its retry cost ~1.8 s more
-# than plain decoding and left the level at 0.90x of speculation off (benchmarks/results/serve-scaling-spent-f32/
-# NOTES.md). Not never: it is what re-measures a batch size whose seconds, or a workload whose acceptance, changed.
+# than plain decoding and left the level at 0.90x of speculation off (docs/decisions/load-adaptive-draft-length.md).
+# Not never: it is what re-measures a batch size whose seconds, or a workload whose acceptance, changed.
 HOPELESS_BUDGET = 0.01
 # A budget not spent is kept for at most this many seconds' worth (a token bucket, one a budget: each accrues its
 # fraction of every step's seconds, every exploring step's extra is taken from both). Kept without a bound, the budget
 # saved over ~7 minutes at 1-4 clients (exploring there cheap or free), up to ~20 s, was spent at once by the first
 # minute at 8 clients, exploring rounds of 2-6 s as often as the schedule said: that served level ran 8% below
-# speculation off (benchmarks/results/serve-scaling-beside-f32/NOTES.md)
+# speculation off (docs/decisions/load-adaptive-draft-length.md)
 BUDGET_WINDOW_S = 60.0
 
 
@@ -175,7 +175,7 @@ class LoadAdaptive:
         again at every batch size, a batch finishing one request at a time probed drafting at 7, 6, ... rows
         (0.86x of plain decoding at 8 requests in one process; a batch_bench probe, not committed); priced flat
         beyond the largest timed, drafting at 8 clients looked as cheap as at 4 until it ran (a served run, its
-        numbers in benchmarks/results/serve-scaling-measured-line-f32/NOTES.md)."""
+        numbers in docs/decisions/load-adaptive-draft-length.md)."""
         means = {timed_rows: sum(seconds) / len(seconds) for (timed_rows, choice), seconds in self.seconds.items()
                  if choice == drafting and seconds}
         if rows in means:

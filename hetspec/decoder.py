@@ -138,7 +138,7 @@ class Progress:
         (a context-lookup draft, no drafter pass, may go): in the server a drafter's session opens without its
         prompt and its first draft feeds it, and drafted on the first step that catch-up held the first token
         (0.1-0.3 s later than with speculation off at 1 client, ~0.8 s at 4, and the other requests' prompt chunks
-        with it: benchmarks/results/serve-scaling-arrive-f32/NOTES.md). Both runtimes take the same k, so a seeded
+        with it: docs/decisions/load-adaptive-draft-length.md). Both runtimes take the same k, so a seeded
         sample is the same in process and served."""
         remaining = self.params.max_new_tokens - self.position
         k = min(self.policy.k, remaining - 1, self.policy.k if cap is None else cap)
@@ -279,7 +279,7 @@ class BatchDecoder:
         running = list(self.running)
         # the requests whose prompts are being fed count as rows (None: they run within a few steps): the cap is
         # chosen at the load the batch has (served, the first rows to step drafted at their own few while the
-        # others' prompts waited: benchmarks/results/serve-scaling-budget-f32/NOTES.md)
+        # others' prompts waited: docs/decisions/load-adaptive-draft-length.md)
         cap = self.adaptive.choose({**dict.fromkeys(self.joining), **{
             request: request.draft_length(request.drafter is not None) for request in running}}) \
             if self.adaptive else None

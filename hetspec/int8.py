@@ -5,7 +5,7 @@ whole activation, and SmolLM2-135M's activations have outlier channels (its MLP'
 its next-token argmax agrees with the float32 model's on 33% of the positions of a text of prose and code (weights
 per channel do not help: 33%) and on 61-63% over HumanEval prompts and completions; with the inputs left in
 floating point and the weights int8 per output channel, 93% and 97% (tests/test_lean.py checks the first;
-benchmarks/results/drafter-variants-smollm2-bf16-avx512/ the second: 2.75 tokens a target pass against 2.35). A drafter
+docs/decisions/drafter-int8-weight-only-lean.md the second: 2.75 tokens a target pass against 2.35). A drafter
 that agrees with the float model more often is accepted more often, and its weights still stream as int8.
 
 The matmul is ``torch._weight_int8pack_mm`` (bfloat16 input, int8 weight, a bfloat16 scale per output channel):

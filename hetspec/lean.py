@@ -7,8 +7,7 @@ with the model's own weights and rotary embedding, writes keys and values straig
 pass's layout (hetspec/layouts.py), skips the mask where a query sees every key, and in an int8-quantized
 model multiplies q/k/v and gate/up as one quantized layer each (4 matmuls and input roundings a layer instead of
 7: 121 a pass instead of 211). SmolLM2-135M's forward while drafting on this project's 2-core CPU: dynamic int8
-28.1 -> 19.7 ms, weight-only int8 31.6 -> 24.4 ms (``python -m benchmarks.drafter_variants``,
-benchmarks/results/drafter-variants-smollm2-bf16-avx512/).
+28.1 -> 19.7 ms, weight-only int8 31.6 -> 24.4 ms (docs/decisions/drafter-int8-weight-only-lean.md).
 
 Weight-only int8 layers (hetspec/int8.py) are joined exactly. Dynamic int8 layers are requantized per output
 channel from their dequantized weights, so such a model's logits differ from its transformers forward's (both

@@ -5,7 +5,7 @@ torch's default float32 ``Linear`` on the CPU calls MKL's sgemm. On this project
 makes a pass over a few tokens cost about two passes of one (Qwen2.5-Coder-1.5B, 150-token context: 361 ms for
 1 token, 797 ms for 6), which is exactly the width speculation and batching feed; oneDNN's kernels with the
 weights held in oneDNN's own format take 204 ms for 1 token and 396 ms for 6, logits within 3e-5
-(benchmarks/results/pass-cost-qwen-cpu-onednn/). torch ships the conversion (``torch.utils.mkldnn.to_mkldnn``)
+(docs/decisions/dtype-and-kernels-on-cpu.md). torch ships the conversion (``torch.utils.mkldnn.to_mkldnn``)
 only as TorchScript modules, deprecated in this torch; ``OneDNNLinear`` is the same call
 (``aten.mkldnn_linear``) in a plain module.
 
@@ -67,7 +67,7 @@ def slow_dtype_warning(dtype: torch.dtype, device: torch.device | str) -> str | 
     """Why ``dtype`` makes passes slow on this device, or None. bfloat16 on a CPU without native instructions is
     emulated: a pass over n tokens costs nearly n passes of one (Qwen2.5-Coder-1.5B on a 2-core AVX2-only EPYC:
     243 ms for 1 token, 898 ms for 6; with avx512_bf16 189 ms and 207 ms), so neither speculation nor batching pays
-    there, and float32 on oneDNN was faster at every width (benchmarks/results/pass-cost-qwen-cpu/)."""
+    there, and float32 on oneDNN was faster at every width (docs/decisions/dtype-and-kernels-on-cpu.md)."""
     if dtype != torch.bfloat16 or torch.device(device).type != "cpu" or native_bfloat16():
         return None
     return ("bfloat16 on this CPU has no native instructions (no AVX512-BF16 or AMX): a pass over n tokens costs "

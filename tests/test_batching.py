@@ -347,7 +347,7 @@ def test_the_exploring_budget_is_of_the_recent_time_not_of_a_quiet_stretch_befor
     """A replica that ran a lone request for ten minutes (exploring there nearly free) and then meets 8 clients must
     not spend ten minutes' budget at once: summed since the start, 5% of them let exploring drafting rounds of
     ~4 s (8 rows' drafters caught up, 6 tokens verified a row) come every time the schedule said, and a served level
-    at 8 clients ran 8% below speculation off (benchmarks/results/serve-scaling-beside-f32/NOTES.md). They take at
+    at 8 clients ran 8% below speculation off (docs/decisions/load-adaptive-draft-length.md). They take at
     most BUDGET_WINDOW_S seconds' worth of EXPLORE_BUDGET saved, EXPLORE_BUDGET of the time since, and one round."""
     policy = LoadAdaptive()
     _left(policy, 5.0)  # the best recent acceptance: drafting could pay at 8 rows, the larger budget applies

@@ -158,6 +158,81 @@ def test_bench_end_to_end_on_the_small_pair(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.real
+def test_headline_writes_the_single_request_row_with_its_peers(tmp_path):
+    """benchmarks/headline.py on the small pair, one prompt, 8 tokens: the target alone, hetspec, transformers'
+    assisted generation and llama.cpp on the target's GGUF (or, without llama-cpp-python, a message saying it
+    was skipped) in one table."""
+    from benchmarks import headline, llama_peer
+
+    threads = torch.get_num_threads()
+    try:
+        status = headline.main(["--pair", "small", "--num-prompts", "1", "--max-new-tokens", "8", "--threads", "1",
+                                "--no-served", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)  # load_model set it process-wide
+    assert status == 0
+    result = json.loads((tmp_path / "headline.json").read_text())
+    single = result["single"]
+    assert single["target_alone"]["method"] == "ar" and single["target_alone"]["speedup"] == 1.0
+    assert single["hetspec"]["method"] == "slem/k3" and single["transformers"]["method"] == "hf-assisted/k3"
+    assert single["same_tokens_as_target_alone"] is True and result["served"] == []
+    table = (tmp_path / "headline.md").read_text()
+    assert "| hardware | load | target alone | hetspec | transformers | llama.cpp | result |" in table
+    assert (tmp_path / "single" / "results.json").exists()
+    if llama_peer.available():
+        assert single["llama_cpp"]["tokens_per_second"] > 0 and single["llama_cpp_skipped"] is None
+        bench_result = json.loads((tmp_path / "single" / "results.json").read_text())
+        assert bench_result["peers"]["settings"]["llama.cpp"]["gguf"] == "gemma-3-270m-q4_k_m.gguf"
+    else:
+        assert single["llama_cpp"] is None and "llama-cpp-python is not installed" in single["llama_cpp_skipped"]
+        assert "llama-cpp-python is not installed" in table
+
+
+def test_without_llama_cpp_python_the_peer_is_skipped_with_the_install_command(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from benchmarks import llama_peer
+
+    monkeypatch.setattr(llama_peer, "available", lambda: False)
+    peers, skipped = bench.make_peers(SimpleNamespace(llama_cpp=True), "gemma3-270m", None, greedy=True)
+    assert peers == [] and 'pip install -e ".[bench-llama]"' in skipped and skipped in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="greedily only"):
+        bench.make_peers(SimpleNamespace(llama_cpp=True), "gemma3-270m", None, greedy=False)
+    with pytest.raises(ValueError, match="GGUF"):
+        llama_peer.gguf_of("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_llama_peer_summary_compares_each_prompt_with_the_target_alone():
+    from benchmarks.llama_peer import PeerRun, summarize_peer
+
+    reference = {"a": ([1, 2, 3, 4], 2.0), "b": ([5, 6], 1.0)}  # ar: 2 tokens/s on both prompts
+    runs = [PeerRun("a", "llama.cpp", [1, 2, 3, 4], 1.0), PeerRun("b", "llama.cpp", [5, 7], 0.25)]
+    row = summarize_peer(runs, reference)
+    assert row["tokens"] == 6 and row["tokens_per_second"] == 6 / 1.25
+    assert row["speedup_vs_ar_median"] == 3.0 and abs(row["speedup_vs_ar_geomean"] - 8 ** 0.5) < 1e-12
+    assert row["prompts_same_as_ar"] == 1
+
+
+def test_headline_reads_the_served_levels_of_a_serve_scaling_result():
+    from benchmarks.headline import markdown, served_rows
+
+    result = {"settings": {"concurrency": [1, 8], "max_new_tokens": 64},
+              "methods": {"served-grpc": {"1": {"tokens_per_second": 5.5}, "8": {"tokens_per_second": 20.3}},
+                          "served-ar-grpc": {"1": {"tokens_per_second": 3.4}, "8": {"tokens_per_second": 19.5}},
+                          "hf-batched": {"1": {"tokens_per_second": 3.5}, "8": {"tokens_per_second": 20.2}}}}
+    rows = served_rows(result)
+    assert [row["hetspec"] for row in rows] == [5.5, 20.3] and rows[1]["transformers"] == 20.2
+    assert rows[0]["load"].startswith("served, 1 client ") and rows[1]["load"].startswith("served, 8 clients ")
+    cell = {"method": "ar", "tokens_per_second": 3.5, "speedup": 1.0}
+    single = {"load": "1 request", "target_alone": cell, "hetspec": {**cell, "method": "slem/k9", "speedup": 2.26},
+              "transformers": None, "llama_cpp": None, "llama_cpp_skipped": None, "same_tokens_as_target_alone": True}
+    table = markdown({"pair": "p", "machine": "m", "date": "d", "commit": "c", "command": "x", "single": single,
+                      "served": rows})
+    assert "| m | 1 request | 3.50 | 3.50 (2.26x) | - | - | single/results.md |" in table
+    assert "| m | served, 8 clients (closed loop, 64 tokens) | 19.50 (server, speculation off) | 20.30 | " in table
+
+
 class _FakeHetSpec(hetspec_pb2_grpc.HetSpecServicer):
     """A gRPC servicer that streams 2 + 2 + 2 + 1 tokens and remembers the requests it got."""
 
@@ -356,48 +431,6 @@ def test_soak_rss_slope_fits_the_last_minutes_only():
     assert rss_slope(samples, "drafter", 30 * 60) is None and rss_slope(samples[:2], "target", 30 * 60) is None
 
 
-def test_lookup_replay_copies_repeated_text_and_uses_the_cache(gemma):
-    """benchmarks/lookup_potential.py: an output that repeats its prompt is copied many tokens per pass; one that
-    repeats only another request's text gains from the cache alone; text found nowhere costs a pass per token."""
-    from benchmarks.lookup_potential import replay
-    from hetspec.config import SpeculationConfig
-    from hetspec.vocab import token_bytes
-
-    table, speculation = token_bytes(gemma.tokenizer), SpeculationConfig(lookup="always")
-    code = ("def running_total(values):\n    total = 0\n    for value in values:\n        total += value\n"
-            "    return total\n")
-    other = "import math\n\ndef hypotenuse(first, second):\n    return math.sqrt(first * first + second * second)\n"
-    prompt_ids = gemma.encode_prompt("# a helper, twice:\n" + code)
-    copied = replay(gemma.encode(code), prompt_ids, b"", gemma.tokenizer, table, speculation)
-    assert copied["tokens"] == len(gemma.encode(code)) and copied["tokens_per_pass"] > 3
-    assert copied["accepted"] + copied["target_passes"] == copied["tokens"]  # each pass: accepted + the target's own
-    without_cache = replay(gemma.encode(other), prompt_ids, b"", gemma.tokenizer, table, speculation)
-    with_cache = replay(gemma.encode(other), prompt_ids, other.encode(), gemma.tokenizer, table, speculation)
-    assert without_cache["accepted"] == 0 and without_cache["tokens_per_pass"] == 1.0
-    assert with_cache["tokens_per_pass"] > 3
-
-
-def test_heap_probe_reports_python_and_native_memory_of_a_worker():
-    """benchmarks/heap_probe.py's probe, run in this process on a stand-in worker: the second probe compares with
-    the first, and memory allocated in between shows up among the grown sites."""
-    import tracemalloc
-    from types import SimpleNamespace
-
-    from benchmarks.heap_probe import _probe, _start
-
-    worker = SimpleNamespace()
-    assert _start(worker)
-    try:
-        first = _probe(worker)
-        kept = [bytearray(1024) for _ in range(2048)]  # 2 MiB of Python allocations kept alive
-        second = _probe(worker)
-    finally:
-        tracemalloc.stop()
-    assert first["grown_kib"] == [] and first["rss_anon"].endswith("kB") and first["objects"] > 0
-    assert second["traced_mib"] >= 2 and second["grown_kib"][0][0] >= 2048 and len(kept) == 2048
-    assert second["jemalloc_profile"] is False  # glibc's allocator here: no heap profile to write
-
-
 def test_cpu_by_process_groups_the_cpu_time_spent_between_snapshots():
     import os
 
@@ -413,19 +446,6 @@ def test_cpu_by_process_groups_the_cpu_time_spent_between_snapshots():
     assert spent["cpu_seconds"] == 7.51 and abs(spent["busy_share"] - 7.51 / (4.0 * cores)) < 1e-3
     assert list(spent["groups"]) == ["ray::TargetWorker", "ray::DrafterWorker", "ray::ServeReplica:hetspec:Coordinator"]
     assert spent["groups"]["ray::TargetWorker"] == {"cpu_seconds": 6.0, "share": round(6.0 / (4.0 * cores), 4)}
-
-
-def test_batch_split_prices_both_prefills_and_decoding_on_the_small_target(capsys):
-    from benchmarks import batch_split
-
-    threads = torch.get_num_threads()
-    try:
-        batch_split.main(["--model", "gemma3-270m", "--batch", "2", "--steps", "2", "--rounds", "1", "--threads", "1"])
-    finally:
-        torch.set_num_threads(threads)  # load_model set it process-wide
-    printed = capsys.readouterr().out
-    assert "transformers padded prefill" in printed and "decoding pass" in printed
-    assert "hetspec packed prefill" in printed and "hetspec one prompt a pass" in printed
 
 
 def test_serve_scaling_reports_each_ratio_and_the_longest_gap():

@@ -316,7 +316,7 @@ def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(
 
 def test_requests_whose_prompts_are_being_fed_count_in_the_load_the_cap_is_chosen_at():
     """At a wave's start of 8 clients the first request to step chose drafting at 1 row while the others' prompts
-    waited their turn: a ~1.1 s round against a plain one's 0.44 (serve-scaling-budget-f32/NOTES.md)."""
+    waited their turn: a ~1.1 s round against a plain one's 0.44 (docs/decisions/load-adaptive-draft-length.md)."""
     clock, adaptive, [first] = _replica(1)
     for rows, seconds_by_cap in ((1, {True: 0.4, False: 0.25}), (8, {True: 1.7, False: 0.45})):
         for drafting in (True, False):
@@ -340,8 +340,8 @@ def test_requests_whose_prompts_are_being_fed_count_in_the_load_the_cap_is_chose
 
 def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pass(exit_stack, gemma, smollm):
     """In step a drafter session opens without its prompt: drafted on the first step, that prefill held the first
-    token (first tokens later than with speculation off: serve-scaling-arrive-f32/NOTES.md). Drafting starts at the
-    second step, in process as served (``Progress.draft_length``); the output stays the target's."""
+    token (first tokens later than with speculation off: docs/decisions/load-adaptive-draft-length.md). Drafting
+    starts at the second step, in process as served (``Progress.draft_length``); the output stays the target's."""
     from deployments.coordinator import GenerationRequest
 
     coordinator, _, drafter_worker = exit_stack.enter_context(in_process_coordinator(

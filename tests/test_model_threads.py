@@ -138,7 +138,7 @@ def test_a_worker_counts_requests_at_the_other_model_only_where_both_models_run_
     try:
         assert worker.model_threads.at_other_model() == 2 * counted  # both between calls here
         with worker.sessions.use("r"), worker.sessions.use("s"):  # both in one batched call: its pass gets every
-            assert worker.model_threads.at_other_model() == 0  # thread (serve-scaling-onednn-f32/NOTES.md)
+            assert worker.model_threads.at_other_model() == 0  # thread (docs/decisions/model-threads.md)
         with worker.sessions.use("r"):
             assert worker.model_threads.at_other_model() == counted
     finally:
