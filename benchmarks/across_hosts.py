@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if why_not:
         raise SystemExit(f"across_hosts needs network namespaces: {why_not}")
     args.out.mkdir(parents=True, exist_ok=True)
-    prompts = [case.prompt for case in load_prompts("humaneval", args.num_prompts, stride=16)]
+    prompts = [case.text for case in load_prompts("humaneval", args.num_prompts, stride=16)]
     model = yaml.safe_load(args.config.read_text())["applications"][0]["args"]["model_id"]
     result: dict = {"provenance": report.provenance(sys.argv[1:] if argv is None else argv, "cpu",
                                                     module="benchmarks.across_hosts"),
