@@ -27,6 +27,15 @@ RECOVERY_DEADLINE_S = 240.0
 STREAM_TIMEOUT_S = 120.0  # an in-flight stream silent this long has hung instead of failing
 
 
+def target_alone(model, max_new_tokens: int = NEW_TOKENS, ignore_eos: bool = False) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens from the target alone (``ar``) in this process: what a cluster must output."""
+    from hetspec import Engine, SamplingParams, SpeculationConfig
+
+    engine, params = Engine(model), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    return {prompt: engine.generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
+            for prompt in PROMPTS}
+
+
 def grpc_tokens(endpoints, prompt: str, timeout_s: float = 120) -> list[int]:
     with grpc.insecure_channel(endpoints.grpc_target) as channel:
         response = pb_grpc.HetSpecStub(channel).Generate(pb.GenerateRequest(prompt=prompt), timeout=timeout_s)

@@ -24,9 +24,8 @@ import pytest
 import yaml
 
 from cluster_checks import (NEW_TOKENS, PROMPTS, SMALL_ARGS, SMALL_CONFIG, InFlight, assert_failed_clearly,
-                            grpc_tokens, http_tokens, recovered_tokens)
+                            grpc_tokens, http_tokens, recovered_tokens, target_alone)
 from deployments.local_serve import LocalServe, deploy, local_serve
-from hetspec import Engine, SamplingParams, SpeculationConfig
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
@@ -81,11 +80,7 @@ def running():
 
 @pytest.fixture(scope="module")
 def reference(gemma):
-    """The target alone, greedy (``ar`` in this process): what the cluster must output."""
-    engine = Engine(gemma)
-    return {prompt: engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS),
-                                    speculation=SpeculationConfig(algorithm="ar")).token_ids
-            for prompt in PROMPTS}
+    return target_alone(gemma)
 
 
 def _actor_nodes() -> dict:

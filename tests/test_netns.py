@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -22,9 +24,8 @@ import yaml
 
 from cluster.netns.hosts import TestHosts, namespaces_can_be_made, test_hosts
 from cluster_checks import (NEW_TOKENS, PROMPTS, SMALL_CONFIG, InFlight, assert_failed_clearly, grpc_tokens,
-                            http_tokens, recovered_tokens)
+                            http_tokens, recovered_tokens, target_alone)
 from deployments.client import wait_until_healthy
-from hetspec import Engine, SamplingParams, SpeculationConfig
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 
@@ -66,22 +67,25 @@ def deploy(hosts: TestHosts, config: dict, timeout_s: float = 300.0) -> None:
     wait_until_healthy(hosts.http_url, timeout_s=timeout_s, poll_s=0.5)
 
 
-@pytest.fixture(scope="module")
-def hosts():
+@contextmanager
+def served_hosts(prefix: str) -> Iterator[TestHosts]:
+    """Three hosts with Ray, the small pair's app deployed across them; all torn down on exit."""
     workdir = Path(tempfile.mkdtemp(prefix="hsn", dir="/tmp"))  # short: Ray's socket paths live under it
-    with test_hosts(3, one_way_ms=ONE_WAY_MS, prefix="hetspec-t", workdir=workdir) as hosts:
+    with test_hosts(3, one_way_ms=ONE_WAY_MS, prefix=prefix, workdir=workdir) as hosts:
         hosts.ray.start()
         deploy(hosts, netns_serve_config())
         yield hosts
 
 
 @pytest.fixture(scope="module")
+def hosts():
+    with served_hosts("hetspec-t") as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module")
 def reference(gemma):
-    """The target alone, greedy, in this process: what the hosts must output."""
-    engine = Engine(gemma)
-    return {prompt: engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS),
-                                    speculation=SpeculationConfig(algorithm="ar")).token_ids
-            for prompt in PROMPTS}
+    return target_alone(gemma)
 
 
 def _state(hosts: TestHosts, kind: str) -> list[dict]:

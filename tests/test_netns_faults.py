@@ -9,20 +9,17 @@ target's alone in this process, token for token.
 from __future__ import annotations
 
 import json
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from cluster.netns.delay import DelaySettings
-from cluster.netns.hosts import end_processes_in, namespaces_can_be_made, test_hosts
-from cluster_checks import PROMPTS, SMALL_ARGS
-from hetspec import Engine, SamplingParams, SpeculationConfig
-from test_netns import ONE_WAY_MS, deploy, netns_serve_config
+from cluster.netns.hosts import end_processes_in, namespaces_can_be_made
+from cluster_checks import PROMPTS, SMALL_ARGS, target_alone
+from test_netns import ONE_WAY_MS, served_hosts
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -93,19 +90,13 @@ def stream(hosts, prompt: str, max_tokens: int) -> tuple[list[int], dict, str | 
 
 @pytest.fixture(scope="module")
 def hosts():
-    workdir = Path(tempfile.mkdtemp(prefix="hsn", dir="/tmp"))
-    with test_hosts(3, one_way_ms=ONE_WAY_MS, prefix="hetspec-f", workdir=workdir) as hosts:
-        hosts.ray.start()
-        deploy(hosts, netns_serve_config())
+    with served_hosts("hetspec-f") as hosts:
         yield hosts
 
 
 @pytest.fixture(scope="module")
 def reference(gemma):
-    engine = Engine(gemma)
-    params = SamplingParams(max_new_tokens=LONG_TOKENS, ignore_eos=True)
-    return {prompt: engine.generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
-            for prompt in PROMPTS}
+    return target_alone(gemma, LONG_TOKENS, ignore_eos=True)
 
 
 def test_drafter_host_cut_off_mid_stream_then_back(hosts, reference):
