@@ -12,3 +12,7 @@ python -m pip install --quiet --disable-pip-version-check --upgrade pip
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e ".[serve,dev]"
 python -m pip check
+# iproute2 for the test hosts in network namespaces (cluster/netns/hosts.py, tests/test_netns.py), as root.
+if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null
+fi
