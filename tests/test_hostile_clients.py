@@ -266,3 +266,52 @@ def test_the_proxy_checks_keys_from_its_environment_and_leaves_serves_probes_ope
     assert client.post("/v1/completions").status_code == 401
     assert client.post("/v1/completions", headers={"Authorization": "Bearer sk-b"}).status_code == 200
     assert client.post("/-/healthz").status_code == client.post("/health").status_code == 200
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_drafter_session_swept_mid_request_goes_on_target_only(gemma, smollm, exit_stack, pipelined):
+    """The drafter's sweeper frees a session idle past session_idle_timeout_s (a request drafting nothing for a
+    while: load-adaptive or lookup steps); the next draft finds it gone and the request finishes target-only."""
+    coordinator, target_worker, drafter_worker = exit_stack.enter_context(in_process_coordinator(gemma, smollm))
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prepared = coordinator.prepare(GenerationRequest(prompt=PROMPT, params=params, algorithm="slem",
+                                                     pipelined=pipelined))
+
+    async def run():
+        events = []
+        async for event in coordinator.run(prepared, "test"):
+            if not events:  # what the sweeper does to an idle session (Sessions.close_idle)
+                assert await asyncio.to_thread(drafter_worker.sessions.close, prepared.session_id)
+            events.append(event)
+        await coordinator.admission.closes_done()
+        return events
+
+    events = asyncio.run(run())
+    expected = Engine(gemma, smollm).generate(PROMPT, params, speculation=SpeculationConfig(algorithm="ar"))
+    assert [token for event in events for token in event.token_ids] == expected.token_ids
+    assert events[-1].stats.drafter_lost and events[-1].finish_reason == "length"
+    assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0
+
+
+def test_a_close_that_comes_before_its_open_frees_the_session_at_the_open():
+    from deployments.sessions import Sessions, UnknownSession
+
+    released: list[str] = []
+    sessions = Sessions(max_sessions=4, idle_timeout_s=60.0, release=released.append)
+    assert sessions.close("s-1") is False  # the client left while the open was on its way
+    with pytest.raises(UnknownSession):
+        sessions.open("s-1", "kv of s-1")
+    assert released == ["kv of s-1"] and len(sessions) == 0
+    sessions.open("s-1", "kv again")  # remembered once only
+    assert len(sessions) == 1 and sessions.close("s-1") and released == ["kv of s-1", "kv again"]
+
+
+def test_an_early_close_is_forgotten_after_the_idle_timeout():
+    from deployments.sessions import Sessions
+
+    sessions = Sessions(max_sessions=4, idle_timeout_s=0.01, release=lambda session: None)
+    sessions.close("s-1")
+    time.sleep(0.02)
+    sessions.close_idle()
+    sessions.open("s-1", "kv")
+    assert len(sessions) == 1
