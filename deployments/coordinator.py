@@ -218,7 +218,8 @@ class Coordinator:
         server = self.config.speculation
         bound = max(server.draft_tokens, server.max_draft_tokens)
         if draft_tokens is not None and draft_tokens > bound:
-            raise InvalidRequest("draft_tokens", f"must be at most {bound} on this server (speculation.max_draft_tokens)")
+            raise InvalidRequest("draft_tokens", f"must be at most {bound} on this server "
+                                                 "(speculation.max_draft_tokens)")
 
     async def prepare_async(self, request: GenerationRequest, request_id: str | None = None,
                             choices: int = 1) -> Prepared:
