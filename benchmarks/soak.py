@@ -258,7 +258,8 @@ class Traffic:
         from protos.hetspec.v1 import hetspec_pb2 as pb
 
         try:
-            await self.stub.Generate(pb.GenerateRequest(prompt="a" * OVERSIZED, max_new_tokens=4), metadata=self.metadata)
+            await self.stub.Generate(pb.GenerateRequest(prompt="a" * OVERSIZED, max_new_tokens=4),
+                                     metadata=self.metadata)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the proxy's message bound: no back-off
                 return "oversized RESOURCE_EXHAUSTED", True, ""
@@ -350,7 +351,10 @@ def actor_memory() -> dict[str, dict] | None:
 
         if not ray.is_initialized():
             ray.init(address="auto", log_to_driver=False)
-        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        # this instance's address: with no address the state API looks one up, and fails on a machine running
+        # several Ray instances ("Found multiple active Ray instances")
+        actors = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")],
+                             limit=1000)
     except Exception as error:  # noqa: BLE001 -- memory is reported as unavailable, the soak still counts
         print(f"actor memory unavailable: {error}", file=sys.stderr)
         return None
