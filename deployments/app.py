@@ -16,6 +16,7 @@ import ray
 from ray import serve
 
 from deployments.actors import ActorPipeline
+from deployments.auth import unauthenticated_warning
 from deployments.config import SERVER_DEPLOYMENT, AppConfig, AutoscalingConfig, LimitsConfig, with_user_config
 from deployments.coordinator import Coordinator
 from deployments.grpc_service import GrpcMethods
@@ -34,6 +35,8 @@ class HetSpecServer(GrpcMethods):
         await self.pipeline.start()
         self.coordinator = Coordinator(config, self.pipeline.target, self.pipeline.drafter,
                                        self.pipeline.target_info, self.pipeline.drafter_info)
+        if warning := unauthenticated_warning(self.coordinator.api_keys, http_host()):
+            log.warning(warning)
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve's ``user_config`` (deployments/config.py, UserConfig): new speculation and limits for new
@@ -62,6 +65,19 @@ class HetSpecServer(GrpcMethods):
     async def actor_handles(self) -> dict[str, Any]:
         """This replica's drafter and target actor handles (fault tests kill them with ``ray.kill``)."""
         return {"target": self.pipeline.target.handle, "drafter": self.pipeline.drafter.handle}
+
+
+def http_host() -> str | None:
+    """The address Serve's HTTP proxies listen on; None if it cannot be told.
+
+    Private API: Ray 2.60 has no public accessor for the running ``http_options`` (the controller's client
+    holds them)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception:  # noqa: BLE001 -- no Serve controller reachable (a test's in-process server)
+        return None
 
 
 def replica_capacity(limits: LimitsConfig) -> int:

@@ -35,6 +35,7 @@ from hetspec.decoder import Progress
 from hetspec.output import Stats, StreamEvent
 
 from deployments.load_adaptive import ReplicaLoadAdaptive
+from deployments.sessions import UnknownSession
 from deployments.workers import VerifyResult
 
 
@@ -340,11 +341,13 @@ class DecodeLoop:
                 return
 
     async def _from_drafter(self, call: Awaitable):
-        """The drafter call's result, or None once the drafter is lost (the request goes on target-only)."""
+        """The drafter call's result, or None once the drafter is lost, or its session of this request is gone
+        (swept after ``session_idle_timeout_s`` while the request drafted nothing): the request goes on
+        target-only."""
         try:
             return await call
-        except WorkerLost as error:
-            if error.role != "drafter":
+        except (WorkerLost, UnknownSession) as error:
+            if isinstance(error, WorkerLost) and error.role != "drafter":
                 raise
             if self.drafter is not None:
                 self.drafter, self.pipelined = None, False
