@@ -43,9 +43,15 @@ REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUNT(*) FROM users WHERE",
            "東京は日本の首都で、", "Once upon a time, in a small village,",
            "import numpy as np\n\ndef normalize("]
-# kind -> weight: the mix each client draws from
+# kind -> weight: the mix each client draws from. The last five are hostile clients (--hostile, on by default):
+# 20 MB prompts over HTTP (413) and gRPC (the proxy's RESOURCE_EXHAUSTED), a burst of keyless POSTs (401, only
+# when the server has a key), two concurrent streams with one X-Request-ID (both must finish), and a storm of
+# streams that disconnect after their first chunk.
 MIX = {"http_completion": 2, "http_completion_stream": 2, "http_chat": 1, "http_chat_stream": 1,
-       "grpc_unary": 2, "grpc_stream": 2, "http_cancel": 1, "grpc_cancel": 1, "http_bad": 1, "grpc_bad": 1}
+       "grpc_unary": 2, "grpc_stream": 2, "http_cancel": 1, "grpc_cancel": 1, "http_bad": 1, "grpc_bad": 1,
+       "http_oversized": 1, "grpc_oversized": 1, "keyless_flood": 1, "duplicate_ids": 1, "disconnect_storm": 1}
+HOSTILE = ("http_oversized", "grpc_oversized", "keyless_flood", "duplicate_ids", "disconnect_storm")
+OVERSIZED = 20 * 1024 * 1024  # characters of a hostile prompt
 # Answers a loaded server is designed to give: overloaded (the client backs off) or past its request timeout.
 EXPECTED_HTTP = {429, 408}
 EXPECTED_GRPC = {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
@@ -93,7 +99,7 @@ def bad_grpc_requests():
 
 class Traffic:
     def __init__(self, http, grpc_channel, model: str, max_new_tokens: int, cancel_tokens: int, timeout: float,
-                 metadata=None, temperatures: tuple[float, ...] = (0.0, 0.8)):
+                 metadata=None, temperatures: tuple[float, ...] = (0.0, 0.8), storm: int = 4):
         from protos.hetspec.v1 import hetspec_pb2_grpc
 
         self.http, self.channel, self.model = http, grpc_channel, model
@@ -104,6 +110,8 @@ class Traffic:
         self.cancel_tokens = cancel_tokens  # a stream to cancel asks for more, so it is still running
         self.bad_http, self.bad_grpc = bad_http_bodies(model), bad_grpc_requests()
         self.temperatures = temperatures  # each request draws one (0: greedy)
+        self.storm = storm  # keyless POSTs of a keyless flood, streams of a disconnect storm
+        self.oversized = json.dumps({"model": model, "prompt": "a" * OVERSIZED, "max_tokens": 4}).encode()
 
     def _body(self, rng: random.Random, chat: bool, stream: bool) -> dict:
         prompt = rng.choice(PROMPTS)
@@ -135,9 +143,9 @@ class Traffic:
             return ("ok", True, "") if choice["finish_reason"] in ("stop", "length") else ("no finish", False, "")
         return _http_error(response.status_code, response.text)
 
-    async def _http_stream(self, body: dict, cancel: bool):
+    async def _http_stream(self, body: dict, cancel: bool, headers: dict | None = None):
         route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        async with self.http.stream("POST", route, json=body) as response:
+        async with self.http.stream("POST", route, json=body, headers=headers) as response:
             if response.status_code != 200:
                 return _http_error(response.status_code, (await response.aread()).decode(errors="replace"))
             async for line in response.aiter_lines():
@@ -235,6 +243,59 @@ class Traffic:
         return "accepted", False, f"bad {field} was served"
 
 
+    # --- hostile clients ---
+
+    async def http_oversized(self, rng):
+        response = await self.http.post("/v1/completions", content=self.oversized,
+                                        headers={"content-type": "application/json"})
+        if response.status_code == 413:
+            return "HTTP 413", True, ""
+        return _http_error(response.status_code, response.text, wanted="413")
+
+    async def grpc_oversized(self, rng):
+        import grpc
+
+        from protos.hetspec.v1 import hetspec_pb2 as pb
+
+        try:
+            await self.stub.Generate(pb.GenerateRequest(prompt="a" * OVERSIZED, max_new_tokens=4),
+                                     metadata=self.metadata)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the proxy's message bound: no back-off
+                return "oversized RESOURCE_EXHAUSTED", True, ""
+            return _grpc_error(error, wanted="RESOURCE_EXHAUSTED")
+        return "accepted", False, "a 20 MB prompt was served"
+
+    async def keyless_flood(self, rng):
+        if "Authorization" not in self.http.headers:
+            return "no key configured", True, ""
+        body = self._body(rng, chat=False, stream=False)
+        # the same connection pool, without the key: a careless or hostile client next to the paying ones
+        answers = await asyncio.gather(*(self.http.post("/v1/completions", json=body, headers={"Authorization": ""})
+                                         for _ in range(self.storm)))
+        codes = sorted({answer.status_code for answer in answers})
+        return ("HTTP 401", True, "") if codes == [401] else (f"keyless HTTP {codes}", False, "wanted only 401")
+
+    async def duplicate_ids(self, rng):
+        request_id = f"soak-duplicate-{rng.randrange(10**9)}"
+        bodies = [{**self._body(rng, chat=False, stream=True), "temperature": 0} for _ in range(2)]
+        results = await asyncio.gather(*(self._http_stream(body, cancel=False, headers={"X-Request-ID": request_id})
+                                         for body in bodies))
+        statuses = [status for status, _, _ in results]
+        if statuses == ["ok", "ok"]:
+            return "ok", True, ""
+        return (f"duplicate id {statuses}", all(expected for _, expected, _ in results),
+                "; ".join(detail for _, _, detail in results))
+
+    async def disconnect_storm(self, rng):
+        body = {**self._body(rng, chat=False, stream=True), "max_tokens": self.cancel_tokens}
+        results = await asyncio.gather(*(self._http_stream(body, cancel=True) for _ in range(self.storm)))
+        statuses = sorted({status for status, _, _ in results})
+        if statuses == ["cancelled"]:
+            return "cancelled", True, ""
+        return f"storm {statuses}", all(expected for _, expected, _ in results), ""
+
+
 def _http_error(code: int, text: str, wanted: str = "200"):
     return f"HTTP {code}", code in EXPECTED_HTTP, f"wanted {wanted}: {text[:300]}"
 
@@ -244,11 +305,13 @@ def _grpc_error(error, wanted: str = "OK"):
 
 
 async def run_clients(traffic: Traffic, clients: int, seconds: float, seed: int,
-                      memory_samples: list[dict] | None = None) -> list[Outcome]:
-    """The clients' outcomes; every 30 s a progress line and (if ``memory_samples``) each actor's RSS."""
+                      memory_samples: list[dict] | None = None, mix: dict[str, int] = MIX,
+                      replica_pids: set | None = None) -> list[Outcome]:
+    """The clients' outcomes; every 30 s a progress line, (if ``memory_samples``) each actor's RSS and (if
+    ``replica_pids``) the pid of the replica that answers /v1/stats (a restarted replica has a new one)."""
     outcomes: list[Outcome] = []
     stop_at = time.monotonic() + seconds
-    kinds, weights = list(MIX), list(MIX.values())
+    kinds, weights = list(mix), list(mix.values())
 
     async def client(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
@@ -261,6 +324,8 @@ async def run_clients(traffic: Traffic, clients: int, seconds: float, seed: int,
     async def progress() -> None:
         while time.monotonic() < stop_at:
             await asyncio.sleep(30)
+            if replica_pids is not None:
+                replica_pids.add((await traffic.http.get("/v1/stats")).json().get("replica_pid"))
             if memory_samples is not None:  # a leak grows steadily; warming allocators level off
                 memory = await asyncio.to_thread(actor_memory)
                 memory_samples.append({"seconds": round(seconds - (stop_at - time.monotonic())),
@@ -286,7 +351,10 @@ def actor_memory() -> dict[str, dict] | None:
 
         if not ray.is_initialized():
             ray.init(address="auto", log_to_driver=False)
-        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        # this instance's address: with no address the state API looks one up, and fails on a machine running
+        # several Ray instances ("Found multiple active Ray instances")
+        actors = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")],
+                             limit=1000)
     except Exception as error:  # noqa: BLE001 -- memory is reported as unavailable, the soak still counts
         print(f"actor memory unavailable: {error}", file=sys.stderr)
         return None
@@ -361,9 +429,10 @@ def _percentiles(values: list[float]) -> dict:
     return {"p50_ms": float(np.percentile(values, 50)) * 1000, "p99_ms": float(np.percentile(values, 99)) * 1000}
 
 
-def summarize(outcomes: list[Outcome], memory_start: dict | None, memory_end: dict | None, sessions: dict) -> dict:
+def summarize(outcomes: list[Outcome], memory_start: dict | None, memory_end: dict | None, sessions: dict,
+              mix: dict[str, int] = MIX) -> dict:
     by_kind: dict[str, dict] = {}
-    for kind in MIX:
+    for kind in mix:
         mine = [outcome for outcome in outcomes if outcome.kind == kind]
         statuses = Counter(outcome.status for outcome in mine)
         by_kind[kind] = {"requests": len(mine), "statuses": dict(statuses),
@@ -404,7 +473,9 @@ def markdown(result: dict) -> str:
              f"{meta['machine']['load_average']}; date {meta['date']}, commit {meta['git_commit']}",
              f"- command: `{meta['command']}`", "",
              f"**{summary['requests']} requests, {summary['served_ok']} served, {summary['unexpected_errors']} "
-             f"unexpected errors, {summary['sessions_leaked']} KV sessions leaked.**", ""]
+             f"unexpected errors, {summary['sessions_leaked']} KV sessions leaked, "
+             f"{summary.get('replica_restarts', '-')} replica restarts, {summary.get('authenticated_429', '-')} "
+             "authenticated requests refused as overloaded.**", ""]
     if result.get("note"):
         lines += [f"> {result['note']}", ""]
     lines += ["| kind | requests | outcomes | unexpected | served p50 ms | served p99 ms | refused p50 ms | "
@@ -467,6 +538,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="each request draws its temperature from these (0 alone: greedy traffic only)")
     parser.add_argument("--slope-minutes", type=float, default=30.0,
                         help="the RSS slope is fitted over this many last minutes of the run")
+    parser.add_argument("--no-hostile", dest="hostile", action="store_false",
+                        help="leave the hostile clients (oversized, keyless, duplicate ids, disconnect storms) out")
+    parser.add_argument("--storm", type=int, default=4, help="requests of one keyless flood or disconnect storm")
     parser.add_argument("--name", default="soak", help="names the result folder: soak-<name>")
     parser.add_argument("--note", default="")
     parser.add_argument("--out", type=Path)
@@ -487,17 +561,24 @@ async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
         async with grpc.aio.insecure_channel(grpc_target) as channel:
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
             traffic = Traffic(http, channel, model, args.max_new_tokens, args.cancel_tokens, args.timeout,
-                              metadata or None, tuple(args.temperatures))
-            warmup = [await traffic.run(kind, random.Random(args.seed)) for kind in MIX]  # every kind once
+                              metadata or None, tuple(args.temperatures), args.storm)
+            mix = {kind: weight for kind, weight in MIX.items() if args.hostile or kind not in HOSTILE}
+            replica_pids = {(await http.get("/v1/stats")).json().get("replica_pid")}
+            warmup = [await traffic.run(kind, random.Random(args.seed)) for kind in mix]  # every kind once
             memory_start = await asyncio.to_thread(actor_memory)
             print(f"soak: {args.clients} clients for {args.minutes} min on {url} / {grpc_target}", file=sys.stderr)
             memory_samples: list[dict] = []
-            outcomes = await run_clients(traffic, args.clients, args.minutes * 60, args.seed, memory_samples)
+            outcomes = await run_clients(traffic, args.clients, args.minutes * 60, args.seed, memory_samples, mix,
+                                         replica_pids)
             sessions = await open_sessions(http, args.settle)
+            replica_pids.add((await http.get("/v1/stats")).json().get("replica_pid"))
             memory_end = await asyncio.to_thread(actor_memory)
             health = (await http.get("/health")).status_code
-    summary = summarize(outcomes, memory_start, memory_end, sessions)
+    summary = summarize(outcomes, memory_start, memory_end, sessions, mix)
     summary["memory_samples"] = memory_samples
+    # a replica that Serve restarted answers with a new pid (one replica: the configs' min = max = 1)
+    summary["replica_restarts"] = len(replica_pids) - 1
+    summary["authenticated_429"] = sum(outcome.status in BACK_OFF for outcome in outcomes)
     for name, row in summary["memory"].items():
         during = [sample["rss_mib"].get(name) for sample in memory_samples]
         row["peak_during_mib"] = max((value for value in during if value is not None), default=None)
@@ -506,7 +587,7 @@ async def soak(args: argparse.Namespace, url: str, grpc_target: str) -> dict:
                           "detail": outcome.detail} for outcome in warmup]
     summary["health_after"] = health
     return {"settings": {"name": args.name, "url": url, "grpc": grpc_target, "model": model, "clients": args.clients,
-                         "seconds": args.minutes * 60, "max_new_tokens": args.max_new_tokens, "mix": MIX,
+                         "seconds": args.minutes * 60, "max_new_tokens": args.max_new_tokens, "mix": mix,
                          "seed": args.seed, "slope_minutes": args.slope_minutes, "temperatures": args.temperatures,
                          "allocator_env": {key: os.environ[key] for key in ALLOCATOR_ENV if key in os.environ}},
             "summary": summary}

@@ -17,11 +17,12 @@ from typing import Any, AsyncIterator, Callable
 import ray
 from ray import serve
 
-from deployments.workers.actors import ActorPipeline
-from deployments.config import SERVER_DEPLOYMENT, AppConfig, AutoscalingConfig, LimitsConfig, with_user_config
-from deployments.serving.coordinator import Coordinator
 from deployments.api.grpc_service import GrpcMethods
 from deployments.api.openai_api import build_openai_app
+from deployments.auth import unauthenticated_warning
+from deployments.config import SERVER_DEPLOYMENT, AppConfig, AutoscalingConfig, LimitsConfig, with_user_config
+from deployments.serving.coordinator import Coordinator
+from deployments.workers.actors import ActorPipeline
 
 log = logging.getLogger("ray.serve")
 
@@ -39,6 +40,8 @@ class HetSpecServer:
         self.coordinator = Coordinator(config, self.pipeline.target, self.pipeline.drafter,
                                        self.pipeline.target_info, self.pipeline.drafter_info)
         self.grpc = GrpcMethods(self.coordinator)
+        if warning := unauthenticated_warning(self.coordinator.api_keys, http_host()):
+            log.warning(warning)
 
     async def Generate(self, request: Any, grpc_context=None) -> Any:  # noqa: N802 -- the proto's method name
         """``hetspec.v1.HetSpec/Generate`` (protos/hetspec/v1/hetspec.proto)."""
@@ -76,6 +79,19 @@ class HetSpecServer:
     async def actor_handles(self) -> dict[str, Any]:
         """This replica's drafter and target actor handles (fault tests kill them with ``ray.kill``)."""
         return {"target": self.pipeline.target.handle, "drafter": self.pipeline.drafter.handle}
+
+
+def http_host() -> str | None:
+    """The address Serve's HTTP proxies listen on; None if it cannot be told.
+
+    Private API: Ray 2.60 has no public accessor for the running ``http_options`` (the controller's client
+    holds them)."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception:  # noqa: BLE001 -- no Serve controller reachable (a test's in-process server)
+        return None
 
 
 def replica_capacity(limits: LimitsConfig) -> int:

@@ -9,10 +9,20 @@ they are never logged or echoed.
 from __future__ import annotations
 
 import hmac
-from typing import Iterable
+import ipaddress
+import os
+from typing import Callable, Iterable, Mapping, Protocol
 
-from deployments.config import AuthConfig
+from starlette.responses import JSONResponse
+
 from deployments.errors import Unauthenticated
+
+
+class _KeySource(Protocol):
+    """What ``ApiKeys.from_config`` reads (``deployments.config.AuthConfig``, which imports this module)."""
+
+    def resolve_keys(self) -> list[str]: ...
+
 
 # HTTP routes open without a key: liveness probes must not need the secret.
 OPEN_HTTP_PATHS = frozenset({"/health"})
@@ -23,7 +33,7 @@ class ApiKeys:
         self._keys = [key.encode() for key in keys]
 
     @classmethod
-    def from_config(cls, auth: AuthConfig) -> "ApiKeys":
+    def from_config(cls, auth: _KeySource) -> "ApiKeys":
         return cls(auth.resolve_keys())
 
     @property
@@ -59,3 +69,51 @@ def grpc_api_key(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
     """The key in gRPC metadata: ``authorization: Bearer <key>``, or ``x-api-key: <key>``."""
     values = {key.lower(): value for key, value in metadata if isinstance(value, str)}
     return bearer_token(values.get("authorization")) or values.get("x-api-key") or None
+
+
+def keys_from_environment(name: str, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The comma-separated keys of the environment variable ``name`` (none if it is unset or empty)."""
+    return [key.strip() for key in environ.get(name, "").split(",") if key.strip()]
+
+
+def unauthenticated_warning(keys: ApiKeys, host: str | None) -> str | None:
+    """The warning to log at start when no API key is configured and the server listens beyond loopback."""
+    if keys.required or host is None:
+        return None
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        loopback = False
+    if loopback:
+        return None
+    return (f"no API key is configured and the server listens on {host}: anyone who reaches it can generate. "
+            "Set $HETSPEC_API_KEY (or auth.api_keys), or listen on 127.0.0.1 only.")
+
+
+class RequireApiKey:
+    """ASGI middleware: with API keys configured, every route but /health needs ``Authorization: Bearer <key>``
+    (the official ``openai`` client sends its ``api_key`` so); otherwise 401 the way OpenAI answers one.
+    ``get_api_keys``: the keys in force (a replica's coordinator's, or the proxy's: deployments/proxy.py);
+    ``open_paths``: the routes open without a key."""
+
+    def __init__(self, app, get_api_keys: Callable[[], ApiKeys], open_paths: frozenset[str] = OPEN_HTTP_PATHS):
+        self.app = app
+        self.get_api_keys = get_api_keys
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):  # served under a route prefix
+                path = path[len(root):] or "/"
+            if path not in self.open_paths:
+                headers = dict(scope["headers"])
+                presented = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+                try:
+                    self.get_api_keys().check(presented, "the header 'Authorization: Bearer <key>'")
+                except Unauthenticated as error:  # OpenAI's error body (deployments/api/openai_protocol.py)
+                    body = {"error": {"message": str(error), "type": "invalid_request_error", "param": None,
+                                      "code": "invalid_api_key"}}
+                    response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                    return await response(scope, receive, send)
+        return await self.app(scope, receive, send)

@@ -15,6 +15,8 @@ from pydantic import (ConfigDict, Field, SecretStr, SerializationInfo, Validatio
 
 from hetspec.config import ModelConfig, SpeculationConfig, StrictModel
 
+from deployments.auth import keys_from_environment
+
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 
@@ -138,6 +140,12 @@ class AutoscalingConfig(StrictModel):
         return self
 
 
+# The gRPC message bound to give Serve's proxy (the environment variable RAY_SERVE_GRPC_MAX_MESSAGE_SIZE of the
+# Ray processes; Ray's default is 2 GiB): a larger message is refused RESOURCE_EXHAUSTED before any replica
+# sees it. The HTTP counterpart is limits.max_request_bytes.
+GRPC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
 class LimitsConfig(StrictModel):
     max_prompt_tokens: int = Field(4096, ge=1, description="Longest prompt (in target tokens) a request may send.")
     max_new_tokens: int = Field(1024, ge=1, le=32768, description="Largest max_new_tokens a request may ask for.")
@@ -158,6 +166,14 @@ class LimitsConfig(StrictModel):
     request_timeout_s: float | None = Field(600.0, gt=0.0, allow_inf_nan=False, description=(
         "Longest a request may take on a replica, waiting included; past it the request stops, its KV "
         "sessions are freed and the client gets HTTP 408 / gRPC DEADLINE_EXCEEDED. None: no limit."))
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=4096, description=(
+        "Largest HTTP request body; a larger one is refused with 413 before it is read (a gRPC message's bound "
+        "is the proxy's: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, docs/deploy.md). Prompts are also bounded in "
+        "characters before they are tokenized: max_prompt_tokens times the target's longest token."))
+    max_request_new_tokens: int = Field(4096, ge=1, description=(
+        "Most tokens one request may ask for in all its choices: n x max_tokens."))
+    max_logprob_entries: int = Field(16384, ge=1, description=(
+        "Most log-probabilities one request may ask for: n x max_tokens x (1 + top_logprobs)."))
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> "LimitsConfig":
@@ -199,9 +215,8 @@ class AuthConfig(StrictModel):
 
     def resolve_keys(self, environ: Mapping[str, str] = os.environ) -> list[str]:
         """The keys in force: the environment variable's when it is set and not empty, else api_keys."""
-        from_env = environ.get(self.api_key_env, "").strip() if self.api_key_env else ""
-        if from_env:
-            keys = [key.strip() for key in from_env.split(",") if key.strip()]
+        keys = keys_from_environment(self.api_key_env, environ) if self.api_key_env else []
+        if keys:
             if any(not set(key) <= _KEY_CHARACTERS for key in keys):
                 raise ValueError(f"${self.api_key_env} must hold printable ASCII keys without spaces, "
                                  "separated by commas")

@@ -31,6 +31,11 @@ def require_unicode(text: str) -> str:
     return text
 
 
+# Temperatures above 0 and below this decode greedily (an exact argmax): logits / T overflows float32 for a
+# T near 1e-38, and far above that a distribution this sharp is the argmax but for ties anyway.
+TEMPERATURE_FLOOR = 1e-4
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -44,8 +49,9 @@ class StrictModel(BaseModel):
 
 class SamplingParams(StrictModel):
     max_new_tokens: int = Field(128, ge=1, le=32768, description="Most tokens to generate.")
-    temperature: float = Field(0.0, ge=0.0, le=100.0,
-                               description="0 means greedy (exact argmax); above 0 samples from softmax(logits/T).")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description=(
+        "0 means greedy (exact argmax); above 0 samples from softmax(logits/T). Below TEMPERATURE_FLOOR (1e-4) "
+        "it is taken as 0: greedy."))
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens before sampling; 0 keeps all.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set of mass >= top_p.")
     seed: int | None = Field(None, ge=0, lt=2**63, description=(
@@ -65,9 +71,11 @@ class SamplingParams(StrictModel):
 
     @field_validator("temperature", "top_p")
     @classmethod
-    def _finite(cls, value: float) -> float:
+    def _finite(cls, value: float, info: ValidationInfo) -> float:
         if not math.isfinite(value):
             raise ValueError("must be a finite number")
+        if info.field_name == "temperature" and 0.0 < value < TEMPERATURE_FLOOR:
+            return 0.0  # greedy, not an overflowing division (TEMPERATURE_FLOOR)
         return value
 
     def seeded(self) -> "SamplingParams":

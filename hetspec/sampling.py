@@ -65,6 +65,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
     probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         probs = _nucleus(probs, top_p, top_k)
+    # SamplingParams' TEMPERATURE_FLOOR keeps logits / T finite; a NaN or inf here would sample a wrong token
+    assert bool(torch.isfinite(probs).all()), "the sampling distribution is not finite"
     return probs
 
 

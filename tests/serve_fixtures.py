@@ -105,11 +105,12 @@ class ServedApp:
 
 
 @contextmanager
-def serve_app(args: dict):
-    """serve.run of build_app(args) on three simulated nodes (STRICT_SPREAD fits them); shut down afterwards."""
+def serve_app(args: dict, keep_api_key: bool = False):
+    """serve.run of build_app(args) on three simulated nodes (STRICT_SPREAD fits them); shut down afterwards.
+    ``keep_api_key``: the Ray processes (replicas and proxy) see this process's $HETSPEC_API_KEY."""
     serve_config = yaml.safe_load(SMALL_CONFIG.read_text())
     serve_config["applications"][0]["args"] = args
-    with local_serve(serve_config, NODES) as served:
+    with local_serve(serve_config, NODES, keep_api_key=keep_api_key) as served:
         yield ServedApp(served.http_url, served.grpc_target, args, args["model_id"], served.metrics_urls)
 
 

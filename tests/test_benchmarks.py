@@ -593,3 +593,42 @@ def test_serve_scaling_will_not_measure_a_server_it_did_not_start():
         port = listener.getsockname()[1]
         assert not port_free(port)
     assert port_free(port)
+
+
+def test_soak_hostile_clients_are_judged_by_the_answers_they_must_get():
+    """The hostile kinds of benchmarks/soak.py against a stand-in server: the designed refusals are expected,
+    anything else (a keyless request served, a duplicate id failing, a 20 MB body taken) is unexpected."""
+    import asyncio
+    import json
+    import random
+    from types import SimpleNamespace
+
+    import httpx
+
+    from benchmarks.soak import Traffic
+
+    def server(request: httpx.Request, keyless_status: int, duplicate_fails: bool) -> httpx.Response:
+        if request.headers.get("content-length", "0").isdigit() and int(request.headers["content-length"]) > 4 << 20:
+            return httpx.Response(413, json={"error": {"message": "too large"}})
+        if not request.headers.get("authorization"):
+            return httpx.Response(keyless_status, json={"choices": [{"finish_reason": "length"}]})
+        failing = duplicate_fails and request.headers.get("x-request-id") and json.loads(request.content)["prompt"]
+        chunk = {"error": {"code": None, "type": "server_error"}} if failing else {"choices": [{"text": "x"}]}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+
+    channel = SimpleNamespace(unary_unary=lambda *args, **kwargs: None, unary_stream=lambda *args, **kwargs: None)
+
+    async def judge(kind: str, keyless_status: int = 401, duplicate_fails: bool = False):
+        transport = httpx.MockTransport(lambda request: server(request, keyless_status, duplicate_fails))
+        async with httpx.AsyncClient(transport=transport, base_url="http://soak",
+                                     headers={"Authorization": "Bearer sk-1"}) as http:
+            traffic = Traffic(http, channel, "m", 4, 16, 30.0, storm=3)
+            outcome = await traffic.run(kind, random.Random(0))
+            return outcome.status, outcome.expected
+
+    assert asyncio.run(judge("keyless_flood")) == ("HTTP 401", True)
+    assert asyncio.run(judge("keyless_flood", keyless_status=200)) == ("keyless HTTP [200]", False)
+    assert asyncio.run(judge("http_oversized")) == ("HTTP 413", True)
+    assert asyncio.run(judge("duplicate_ids")) == ("ok", True)
+    assert asyncio.run(judge("duplicate_ids", duplicate_fails=True))[1] is False
+    assert asyncio.run(judge("disconnect_storm")) == ("cancelled", True)

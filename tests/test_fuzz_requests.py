@@ -9,6 +9,7 @@ from its OpenAPI document by tests/test_fuzz_http.py.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import math
@@ -114,7 +115,7 @@ def through_the_server(coordinator, http, request_model, route: str, body: dict)
     request = validate_or_name_the_field(request_model, body)
     if request is not None:
         try:
-            runs = _prepare(coordinator, request, "fuzz")
+            runs = asyncio.run(_prepare(coordinator, request, "fuzz"))
         except InvalidRequest as error:
             param = request_error(error)["error"]["param"]  # in the client's own words
             assert param.split(".")[0] in request_model.model_fields, (param, error)

@@ -49,7 +49,7 @@ ALLOWED = {
                             "deployments.serving", "deployments.workers.api"},
     "deployments.api": {"deployments.config", "deployments.errors", "deployments.auth", "deployments.serving",
                         "deployments.api"},
-    "deployments.tools": {"deployments.tools"},
+    "deployments.tools": {"deployments.config", "deployments.tools"},
 }
 
 

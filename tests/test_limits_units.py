@@ -15,7 +15,7 @@ from deployments.app import CONTROL_SLOTS, deployment_options
 from deployments.auth import ApiKeys, bearer_token, grpc_api_key
 from deployments.errors import Overloaded, RequestTimeout, Unauthenticated
 from deployments.config import AppConfig, AuthConfig, InvalidUserConfig, with_user_config
-from deployments.api.openai_api import RequireApiKey
+from deployments.auth import RequireApiKey
 
 SMALL_PAIR = {"target": {"model": "gemma3-270m"}, "drafter": {"model": "smollm2-135m"}}
 
@@ -359,7 +359,7 @@ def test_http_middleware_protects_every_route_but_health():
         api_keys = ApiKeys(["sk-right"])
 
     app = FastAPI()
-    app.add_middleware(RequireApiKey, get_coordinator=lambda: Keyed())
+    app.add_middleware(RequireApiKey, get_api_keys=lambda: Keyed.api_keys)
     for path in ("/health", "/v1/models", "/openapi.json"):
         app.get(path)(lambda: {"ok": True}) if path != "/openapi.json" else None
     client = TestClient(app)

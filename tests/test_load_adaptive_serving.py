@@ -297,7 +297,7 @@ def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(
     prepared = coordinator.prepare(GenerationRequest(prompt=prompt, algorithm="slem", params=params))
 
     def joining(progress, own_length):
-        with target_worker.sessions.use(prepared.request_id) as session:
+        with target_worker.sessions.use(prepared.session_id) as session:
             cached_at_join.append(session.side.session.length)
         join(progress, own_length)
 

@@ -296,9 +296,12 @@ def _grpc_methods(run_error: Exception | None = None) -> GrpcMethods:
         raise run_error
         yield  # an async generator, like Coordinator.run
 
+    async def prepare_async(generation, request_id):
+        return SimpleNamespace(request_id="r-1")
+
     return GrpcMethods(SimpleNamespace(
         api_keys=ApiKeys(["sk-1"]), config=SimpleNamespace(limits=SimpleNamespace(default_max_new_tokens=4)),
-        prepare=lambda generation, request_id: SimpleNamespace(request_id="r-1"), run=run))
+        prepare_async=prepare_async, run=run))
 
 
 async def _answers(methods: GrpcMethods, method: str, context,
@@ -357,6 +360,14 @@ class TestGrpcClientErrors:
         with pytest.raises(WorkerLost):
             asyncio.run(_answers(_grpc_methods(WorkerLost("target")), method, context))
         assert context.code == grpc.StatusCode.UNAVAILABLE and "target actor is gone" in context.details
+
+    @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+    def test_any_other_failure_is_internal_naming_nothing_of_the_server(self, method):
+        """Raised to Serve, the details would be the error's text: here a Ray traceback with a pid and actor id."""
+        context = _Context(AUTHORIZED)
+        leaky = RuntimeError("ray::TargetWorker.open() (pid=4242, ip=10.0.0.1, actor_id=abcdef0123456789)\nTraceback")
+        assert asyncio.run(_answers(_grpc_methods(leaky), method, context)) == [pb.GenerateResponse()]
+        assert (context.code, context.details) == (grpc.StatusCode.INTERNAL, "internal server error")
 
 
 def _spent_and_usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):

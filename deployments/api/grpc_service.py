@@ -14,7 +14,8 @@ that empty message (no request_id, no token ids, no finish_reason) just before t
 proxy reads the context only as a message passes. Raising instead would make Serve log an ERROR with a
 traceback per bad request (the replica's "Request failed.", the proxy's "Request failed with user-set gRPC
 status code"). Server faults (a model actor lost: UNAVAILABLE) are still raised,
-with their status set first, so they are logged with their traceback.
+with their status set first, so they are logged with their traceback; any other failure is logged here and answered
+INTERNAL with details that name nothing of the server (no traceback, pid or actor id).
 
 A client's own deadline is honoured by gRPC itself: when it passes, the proxy's call is cancelled, Serve
 cancels the replica's request, and the coordinator frees its sessions (the cancellation path).
@@ -22,6 +23,7 @@ cancels the replica's request, and the coordinator frees its sessions (the cance
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import aclosing
 from typing import AsyncIterator
@@ -37,6 +39,8 @@ from deployments.serving.request import GenerationRequest, serve_request_id, val
 from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, Unauthenticated, WorkerLost
 from deployments.api.grpc_registration import UndecodableRequest
 from protos.hetspec.v1 import hetspec_pb2 as pb
+
+log = logging.getLogger("ray.serve")
 
 # GenerationRequest's names -> the proto's, for error details.
 FIELD_NAMES = {"params.": ""}
@@ -99,13 +103,13 @@ class GrpcMethods:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
 
-    def _prepare(self, request: pb.GenerateRequest, grpc_context) -> Prepared:
+    async def _prepare(self, request: pb.GenerateRequest, grpc_context) -> Prepared:
         metadata = grpc_context.invocation_metadata() if grpc_context is not None else []
         # first: an unauthenticated client learns nothing about its request
         self.coordinator.api_keys.check(grpc_api_key(metadata),
                                         "metadata 'authorization: Bearer <key>' (or 'x-api-key: <key>')")
         generation = to_generation(request, self.coordinator.config.limits.default_max_new_tokens)
-        return self.coordinator.prepare(generation, serve_request_id())
+        return await self.coordinator.prepare_async(generation, serve_request_id())
 
     async def _events(self, prepared: Prepared, grpc_context) -> AsyncIterator[StreamEvent]:
         try:
@@ -118,7 +122,7 @@ class GrpcMethods:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:  # noqa: N802
         try:
-            prepared = self._prepare(request, grpc_context)
+            prepared = await self._prepare(request, grpc_context)
             builder = ResultBuilder()
             async with aclosing(self._events(prepared, grpc_context)) as events:
                 async for event in events:
@@ -132,12 +136,19 @@ class GrpcMethods:
                 raise
             _set_status(grpc_context, *client_status(error))
             return pb.GenerateResponse()
+        except WorkerLost:
+            raise  # its status is set (_events): UNAVAILABLE, with a message that names no process
+        except Exception:
+            if grpc_context is None:
+                raise
+            _answer_internal(grpc_context)
+            return pb.GenerateResponse()
         raise AssertionError("the decode loop ended without a finish reason")
 
     async def GenerateStream(self, request: pb.GenerateRequest,  # noqa: N802
                              grpc_context=None) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            prepared = self._prepare(request, grpc_context)
+            prepared = await self._prepare(request, grpc_context)
             async with aclosing(self._events(prepared, grpc_context)) as events:
                 async for event in events:
                     response = pb.GenerateResponse(request_id=prepared.request_id, text=event.text,
@@ -152,6 +163,13 @@ class GrpcMethods:
                 raise
             _set_status(grpc_context, *client_status(error))
             yield pb.GenerateResponse()  # carries the status to the proxy (module docstring)
+        except WorkerLost:
+            raise
+        except Exception:
+            if grpc_context is None:
+                raise
+            _answer_internal(grpc_context)
+            yield pb.GenerateResponse()
 
 
 def _proto_field(field: str) -> str:
@@ -162,6 +180,13 @@ def _proto_field(field: str) -> str:
 
 def _with_retry_hint(message: str, retry_after_s: float) -> str:
     return f"{message}; retry after {math.ceil(retry_after_s)} s"
+
+
+def _answer_internal(grpc_context) -> None:
+    """Any other failure: logged here with its traceback, answered INTERNAL with details that name nothing of the
+    server (raised to Serve, the details would be the exception's text: a Ray traceback, pid and actor id)."""
+    log.exception("request failed request_id=%s", serve_request_id())
+    _set_status(grpc_context, grpc.StatusCode.INTERNAL, "internal server error")
 
 
 def _set_status(grpc_context, code: grpc.StatusCode, details: str) -> None:

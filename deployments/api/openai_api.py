@@ -20,14 +20,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from deployments.auth import RequireApiKey
 from deployments.serving.admission import Ticket
-from deployments.auth import OPEN_HTTP_PATHS, bearer_token
 from deployments.config import CorsConfig
+from hetspec.config import require_unicode
 from hetspec.output import GenerationResult, ResultBuilder, StreamEvent
 
 from deployments.serving.coordinator import Coordinator, Prepared
 from deployments.serving.request import GenerationRequest, serve_request_id, validation_to_invalid
-from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, Unauthenticated, WorkerLost
+from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, WorkerLost
 from deployments.api.openai_protocol import (FIELD_NAMES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                              TokenizeRequest, request_error)
 from deployments.api.openai_responses import (ChatCompletion, Completion, Detokenized, ResponseWriter, Tokenized,
@@ -58,29 +59,37 @@ def _timeout_body(error: RequestTimeout) -> dict:
     return error_body(str(error), None, "timeout_error", "request_timeout")
 
 
-class RequireApiKey:
-    """ASGI middleware: with API keys configured, every route but /health needs ``Authorization: Bearer <key>``
-    (the official ``openai`` client sends its ``api_key`` so); otherwise 401 the way OpenAI answers one."""
+class LimitBody:
+    """ASGI middleware: a request body larger than ``limits.max_request_bytes`` is refused with 413 before it is
+    read: at once when its Content-Length says so, else as soon as the bytes received pass the limit (the route
+    reading it gets an HTTPException, answered 413 by ``_on_http_error``)."""
 
     def __init__(self, app, get_coordinator: Callable[[], Coordinator]):
         self.app = app
         self.get_coordinator = get_coordinator
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            path, root = scope["path"], scope.get("root_path", "")
-            if root and path.startswith(root):  # served under a route prefix
-                path = path[len(root):] or "/"
-            if path not in OPEN_HTTP_PATHS:
-                headers = dict(scope["headers"])
-                presented = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
-                try:
-                    self.get_coordinator().api_keys.check(presented, "the header 'Authorization: Bearer <key>'")
-                except Unauthenticated as error:
-                    response = JSONResponse(error_body(str(error), None, "invalid_request_error", "invalid_api_key"),
-                                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
-                    return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.get_coordinator().config.limits.max_request_bytes
+        message = f"the request body is larger than this server's limit of {limit} bytes (limits.max_request_bytes)"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            response = JSONResponse(error_body(message, "body", "invalid_request_error", "request_too_large"),
+                                    status_code=413)
+            return await response(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            event = await receive()
+            if event["type"] == "http.request":
+                received += len(event.get("body", b""))
+                if received > limit:
+                    raise HTTPException(413, message)
+            return event
+
+        return await self.app(scope, limited_receive, send)
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -117,15 +126,21 @@ async def _on_http_error(request: Request, error: HTTPException) -> JSONResponse
                                    else "server_error"), status_code=error.status_code, headers=error.headers)
 
 
+async def _on_server_error(request: Request, error: Exception) -> JSONResponse:
+    """Any other failure: a 500 in OpenAI's shape that names nothing of the server (no traceback, process or
+    actor); Starlette re-raises the error after it, so Serve logs it with its traceback."""
+    return JSONResponse(error_body("internal server error", None, "server_error"), status_code=500)
+
+
 def _check_model(coordinator: Coordinator, model: str | None) -> None:
     if model is not None and model != coordinator.config.model_id:
         raise InvalidRequest("model", f"unknown model {model!r}; this server serves {coordinator.config.model_id!r}")
 
 
-def _prepare(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest,
-             request_id: str) -> list[Prepared]:
+async def _prepare(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest,
+                   request_id: str) -> list[Prepared]:
     """The request's runs: one per choice (request ids ``<request_id>-<index>``), or one greedy run whose
-    output every choice copies."""
+    output every choice copies. Tokenized off the event loop (``Coordinator.prepare_async``)."""
     _check_model(coordinator, body.model)
     try:
         generation = body.to_generation(coordinator.config.limits.default_max_new_tokens)
@@ -133,8 +148,9 @@ def _prepare(coordinator: Coordinator, body: CompletionRequest | ChatCompletionR
         raise validation_to_invalid(error, FIELD_NAMES) from None
     runs = 1 if generation.params.greedy else body.choices
     if runs == 1:
-        return [coordinator.prepare(generation, request_id)]
-    return [coordinator.prepare(_choice(generation, index), f"{request_id}-{index}") for index in range(runs)]
+        return [await coordinator.prepare_async(generation, request_id, body.choices)]
+    return [await coordinator.prepare_async(_choice(generation, index), f"{request_id}-{index}", body.choices)
+            for index in range(runs)]
 
 
 def _choice(generation: GenerationRequest, index: int) -> GenerationRequest:
@@ -173,7 +189,7 @@ def _failure(error: Exception) -> JSONResponse:
 async def _respond(coordinator: Coordinator, body: CompletionRequest | ChatCompletionRequest, chat: bool):
     request_id = serve_request_id() or uuid.uuid4().hex
     try:
-        runs = _prepare(coordinator, body, request_id)
+        runs = await _prepare(coordinator, body, request_id)
     except InvalidRequest as error:
         return _invalid(error)
     echo = body.prompt_text if not chat and body.echo else ""
@@ -285,12 +301,25 @@ async def _stream(coordinator: Coordinator, runs: list[Prepared], tickets: list[
     yield sse("[DONE]")
 
 
+def _tokenize(coordinator: Coordinator, generation: GenerationRequest, add_special_tokens: bool) -> list[int]:
+    """/tokenize's ids: a prompt's bare text without special tokens, else what a generation route feeds."""
+    if generation.prompt is not None and not add_special_tokens:
+        try:
+            return coordinator.target_model.encode(require_unicode(generation.prompt))
+        except ValueError as error:
+            raise InvalidRequest("prompt", str(error)) from None
+    return coordinator.target_prompt_ids(generation)
+
+
 def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordinator,
                      cors: CorsConfig | None = None) -> FastAPI:
     app = FastAPI(title="hetspec", description="Lossless heterogeneous speculative decoding, OpenAI-compatible.")
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
-    app.add_middleware(RequireApiKey, get_coordinator=get_coordinator)
+    app.add_exception_handler(Exception, _on_server_error)
+    app.add_middleware(LimitBody, get_coordinator=get_coordinator)
+    # added later, so it runs first (the proxy may have checked the key already: deployments/proxy.py)
+    app.add_middleware(RequireApiKey, get_api_keys=lambda: get_coordinator().api_keys)
     if cors is not None and cors.allow_origins:  # added last, so it runs first: a preflight needs no API key
         app.add_middleware(CORSMiddleware, allow_origins=cors.allow_origins, allow_methods=cors.allow_methods,
                            allow_headers=cors.allow_headers, allow_credentials=cors.allow_credentials)
@@ -321,11 +350,10 @@ def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordi
     async def tokenize(body: TokenizeRequest, coordinator: Coordinator = Depends(get_coordinator)):
         try:
             _check_model(coordinator, body.model)
-            prompt = body.generation_prompt()
-            if prompt.get("prompt") is not None and not body.add_special_tokens:
-                tokens = coordinator.target_model.encode(body.prompt)
-            else:
-                tokens = coordinator.target_prompt_ids(GenerationRequest.model_validate({**prompt, "params": {}}))
+            generation = GenerationRequest.model_validate({**body.generation_prompt(), "params": {}})
+            coordinator.check_prompt_size(generation)
+            tokens = await asyncio.get_running_loop().run_in_executor(
+                coordinator.tokenizer_thread, _tokenize, coordinator, generation, body.add_special_tokens)
         except InvalidRequest as error:
             return _invalid(error)
         return {"count": len(tokens), "tokens": tokens,

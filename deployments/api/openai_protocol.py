@@ -10,16 +10,16 @@ default_max_new_tokens.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, NonNegativeInt, ValidationInfo, field_validator
 
 from hetspec.config import Algorithm as AlgorithmName
 from hetspec.config import StrictModel
 
-from deployments.serving.request import ChatMessage, GenerationRequest
 from deployments.api.openai_responses import error_body
 from deployments.errors import InvalidRequest
+from deployments.serving.request import MAX_MESSAGES, ChatMessage, GenerationRequest
 
 # Our SamplingParams names -> the OpenAI request's, for error messages (the coordinator's own limit check
 # names a bare max_new_tokens).
@@ -42,9 +42,13 @@ class TextPart(StrictModel):
     text: str = Field(description="The text.")
 
 
+# Most text parts one message may hold.
+MAX_PARTS = 1024
+
+
 class OpenAIMessage(StrictModel):
     role: Literal["system", "user", "assistant", "developer"] = Field(description="Who speaks.")
-    content: str | list[TextPart] = Field(description="Text, or text parts.")
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_PARTS)] = Field(description="Text, or text parts.")
     name: str | None = Field(None, description="Ignored.")
 
     def to_chat_message(self) -> ChatMessage:
@@ -159,7 +163,8 @@ class CompletionRequest(_OpenAIRequest):
 
 
 class ChatCompletionRequest(_OpenAIRequest):
-    messages: list[OpenAIMessage] = Field(min_length=1, description="The conversation so far.")
+    messages: list[OpenAIMessage] = Field(min_length=1, max_length=MAX_MESSAGES,
+                                          description="The conversation so far.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Most tokens to generate (newer name).")
     logprobs: bool | None = Field(None, description=(
         "Log-probabilities of each generated token (the target's raw log-softmax, before temperature, top-k "
@@ -185,7 +190,7 @@ class TokenizeRequest(StrictModel):
 
     model: str | None = Field(None, description="The served model id, if given.")
     prompt: str | None = Field(None, description="A plain prompt (exclusive with messages).")
-    messages: list[OpenAIMessage] | None = Field(None, min_length=1, description=(
+    messages: list[OpenAIMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES, description=(
         "Chat turns, rendered by the target's chat template with the assistant's turn opened (exclusive with "
         "prompt)."))
     add_special_tokens: bool = Field(True, description=(

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from pydantic import ValidationError
@@ -37,10 +39,18 @@ from deployments.workers.api import ModelInfo, OpenSession, WorkerClient
 
 log = logging.getLogger("ray.serve")
 
+# How long one health check's answer serves /health (check_health).
+HEALTH_CACHE_S = 1.0
+
 
 @dataclass
 class Prepared:
-    """A validated request, ready to run."""
+    """A validated request, ready to run.
+
+    ``request_id`` is the client's (Serve's request id: an ``X-Request-ID`` header or gRPC ``request_id``
+    metadata, else one Serve made): it names the request in logs and in the response's ``id``, and nothing
+    else, since two clients may send the same one. ``session_id`` keys the request's KV sessions in the model
+    actors: made here, per run, never seen by a client."""
 
     request_id: str
     algorithm: Algorithm
@@ -50,6 +60,16 @@ class Prepared:
     drafter_prompt_ids: list[int] | None
     pipelined: bool
     deadline: float | None = None  # time.monotonic() past which the request is stopped (limits.request_timeout_s)
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+def longest_token_chars(model: LanguageModel) -> int:
+    """The most characters one token of ``model`` stands for (at least 1). A text of ``c`` characters is at least
+    ``c / longest`` tokens, so a prompt longer than ``max_prompt_tokens * longest`` characters is refused
+    without tokenizing it. A vocabulary entry's string is never shorter than the text it encodes (a
+    SentencePiece piece with its "▁", a byte-level BPE piece one character per byte, a byte-fallback
+    "<0xNN>"), for tokenizers that do not delete characters before encoding."""
+    return max(1, max(len(piece) for piece in model.tokenizer.get_vocab()))
 
 
 def _with_template(info: ModelInfo, chat_template: str | None) -> LanguageModel:
@@ -81,6 +101,10 @@ class Coordinator:
         self.batches = StepBatches(config.pipeline.batch_wait_s, on_batch=self.load_adaptive.on_batch,
                                    one_model_at_a_time=config.pipeline.one_model_at_a_time)
         self.api_keys = ApiKeys.from_config(config.auth)  # the environment of this replica's process
+        self.longest_token_chars = longest_token_chars(self.target_model)
+        self._health: tuple[float, asyncio.Task | None] = (0.0, None)  # the last health check: when, its task
+        # prompts are tokenized here, one at a time, never on the event loop (health and the streams wait on it)
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="hetspec-tokenize")
         self.replica = uuid.uuid4().hex[:8]
         self.metrics = coordinator_metrics()
 
@@ -92,11 +116,59 @@ class Coordinator:
         self.admission.resize(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s,
                               limits.kv_cache_bytes)
 
-    def prepare(self, request: GenerationRequest, request_id: str | None = None) -> Prepared:
-        """Validate everything a client can get wrong, before any response is sent."""
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt (or its messages' contents together) may have: longer ones cannot fit
+        in ``limits.max_prompt_tokens`` (``longest_token_chars``) and are refused before they are tokenized."""
+        return self.config.limits.max_prompt_tokens * self.longest_token_chars
+
+    def check_prompt_size(self, request: GenerationRequest) -> None:
+        """``InvalidRequest`` for a prompt or messages too long for any tokenization to fit the prompt limit."""
+        if request.prompt is not None:
+            chars = len(request.prompt)
+        else:
+            chars = sum(len(message.content) for message in request.messages or [])
+        if chars > self.max_prompt_chars:
+            raise InvalidRequest("prompt" if request.prompt is not None else "messages",
+                                 f"is {chars} characters, more than {self.config.limits.max_prompt_tokens} tokens "
+                                 f"(this server's limit) can hold ({self.max_prompt_chars} characters)")
+
+    def check_output_size(self, params: SamplingParams, choices: int = 1) -> None:
+        """``InvalidRequest`` for more tokens or log-probabilities in all ``choices`` than this server answers."""
         limits = self.config.limits
-        if request.params.max_new_tokens > limits.max_new_tokens:
+        if params.max_new_tokens > limits.max_new_tokens:
             raise InvalidRequest("max_new_tokens", f"must be at most {limits.max_new_tokens} on this server")
+        tokens = choices * params.max_new_tokens
+        if tokens > limits.max_request_new_tokens:
+            raise InvalidRequest("max_new_tokens", f"n x max_tokens is {tokens}, above this server's limit of "
+                                                   f"{limits.max_request_new_tokens} (limits.max_request_new_tokens)")
+        if params.logprobs is not None and tokens * (1 + params.logprobs) > limits.max_logprob_entries:
+            raise InvalidRequest("logprobs", f"n x max_tokens x (1 + top_logprobs) is {tokens * (1 + params.logprobs)}"
+                                             f", above this server's limit of {limits.max_logprob_entries} "
+                                             "(limits.max_logprob_entries)")
+
+    def check_draft_tokens(self, draft_tokens: int | None) -> None:
+        """A client's draft length is at most the server's ``speculation.max_draft_tokens`` (or its own
+        ``draft_tokens``, if higher): drafting is work admission does not see beyond it."""
+        server = self.config.speculation
+        bound = max(server.draft_tokens, server.max_draft_tokens)
+        if draft_tokens is not None and draft_tokens > bound:
+            raise InvalidRequest("draft_tokens", f"must be at most {bound} on this server "
+                                                 "(speculation.max_draft_tokens)")
+
+    async def prepare_async(self, request: GenerationRequest, request_id: str | None = None,
+                            choices: int = 1) -> Prepared:
+        """``prepare`` on the tokenizer thread: the event loop goes on serving while a prompt is tokenized."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, self.prepare, request,
+                                                                request_id, choices)
+
+    def prepare(self, request: GenerationRequest, request_id: str | None = None, choices: int = 1) -> Prepared:
+        """Validate everything a client can get wrong, before any response is sent; the sizes first, so an
+        oversized request costs no tokenizing. ``choices``: the runs the client's request makes (OpenAI's n)."""
+        self.check_output_size(request.params, choices)
+        self.check_draft_tokens(request.draft_tokens)
+        self.check_prompt_size(request)
+        limits = self.config.limits
         vocab_size = self.target_model.vocab_size
         for token_id in request.params.stop_token_ids:
             if token_id >= vocab_size:
@@ -182,14 +254,14 @@ class Coordinator:
     async def _run_admitted(self, prepared: Prepared, protocol: str, closing: list,
                             arrived: float) -> AsyncIterator[StreamEvent]:
         """``arrived``: when the request reached this replica (time.perf_counter), for the latency metrics."""
-        request_id, algorithm = prepared.request_id, prepared.algorithm
+        request_id, session_id, algorithm = prepared.request_id, prepared.session_id, prepared.algorithm
         workers: list[WorkerClient] = []  # the actors holding this request's sessions
         first_text_at: float | None = None
         finished = False
         self._track(+1)
-        log.info("request start request_id=%s protocol=%s algorithm=%s prompt_tokens=%d max_new_tokens=%d "
-                 "pipelined=%s", request_id, protocol, algorithm.name, len(prepared.target_prompt_ids),
-                 prepared.params.max_new_tokens, prepared.pipelined)
+        log.info("request start request_id=%s session=%s protocol=%s algorithm=%s prompt_tokens=%d "
+                 "max_new_tokens=%d pipelined=%s", request_id, session_id, protocol, algorithm.name,
+                 len(prepared.target_prompt_ids), prepared.params.max_new_tokens, prepared.pipelined)
         try:
             # pinned: if an actor is replaced meanwhile, this request fails (WorkerLost) instead of calling
             # a new actor that never saw its session
@@ -203,7 +275,7 @@ class Coordinator:
                 self._drafter_lost(request_id)
             progress = Progress(self.target_model, prepared.params, prepared.speculation, stats,
                                 prepared.target_prompt_ids)
-            loop = DecodeLoop(request_id, algorithm, progress, list(prepared.target_prompt_ids), target, drafter,
+            loop = DecodeLoop(session_id, algorithm, progress, list(prepared.target_prompt_ids), target, drafter,
                               prepared.pipelined, self.batches,
                               on_step=lambda step: self._record_step(algorithm.name, step),
                               on_drafter_lost=lambda: self._drafter_lost(request_id),
@@ -239,7 +311,7 @@ class Coordinator:
             raise
         finally:
             self._track(-1)
-            closing.extend(worker.close(request_id) for worker in workers)
+            closing.extend(worker.close(session_id) for worker in workers)
 
     def _pinned_drafter(self) -> WorkerClient | None:
         """The drafter for a new request, or None while it is being replaced (the request runs target-only)."""
@@ -254,7 +326,7 @@ class Coordinator:
         # In step, the target's prompt goes a chunk per target call with the others' verify calls
         # (deployments/serving/pipeline.py DecodeLoop): prefilled here it ran beside the others' draft calls
         def session(prompt_ids: list[int], prefill_now: bool) -> OpenSession:
-            return OpenSession(prepared.request_id, prompt_ids, prepared.algorithm.name, prepared.speculation,
+            return OpenSession(prepared.session_id, prompt_ids, prepared.algorithm.name, prepared.speculation,
                                prepared.params, prefill_now)
 
         opening = [target.open(session(prepared.target_prompt_ids, prepared.pipelined))]
@@ -292,13 +364,23 @@ class Coordinator:
                 return {"error": str(error)}
 
         target, drafter = await asyncio.gather(actor_stats(self.target), actor_stats(self.drafter))
-        return {"replica": self.replica, "ongoing_requests": self.ongoing,
+        return {"replica": self.replica, "replica_pid": os.getpid(), "ongoing_requests": self.ongoing,
                 "running_slots": self.admission.running, "waiting_requests": self.admission.waiting,
                 "admitted_kv_bytes": self.admission.kv_bytes, "kv_cache_bytes": self.admission.kv_budget,
                 **{f"{outcome}_requests": count for outcome, count in self.outcomes.items()},
                 "target": target, "drafter": drafter}
 
     async def check_health(self) -> None:
+        """Both actors answer a ping (else ``WorkerLost``). One check serves every caller for ``HEALTH_CACHE_S``:
+        a flood of /health costs the actors one ping each per period, whatever its rate."""
+        now, loop = time.monotonic(), asyncio.get_running_loop()
+        checked_at, check = self._health
+        if check is None or now - checked_at > HEALTH_CACHE_S or check.get_loop() is not loop:
+            check = loop.create_task(self._ping_both())
+            self._health = (now, check)
+        await asyncio.shield(check)  # a caller that goes away does not cancel the others' check
+
+    async def _ping_both(self) -> None:
         await asyncio.gather(self.target.ping(), self.drafter.ping())
 
     def _publish_load(self) -> None:

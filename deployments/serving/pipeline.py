@@ -31,7 +31,7 @@ from hetspec.align import ends_at_character
 from hetspec.decoder import Progress
 from hetspec.output import Stats, StreamEvent
 
-from deployments.errors import WorkerLost
+from deployments.errors import UnknownSession, WorkerLost
 from deployments.serving.load_adaptive import ReplicaLoadAdaptive
 from deployments.workers.api import DraftItem, Drafted, VerifyItem, VerifyResult, WorkerClient
 
@@ -331,11 +331,13 @@ class DecodeLoop:
                 return
 
     async def _from_drafter(self, call: Awaitable):
-        """The drafter call's result, or None once the drafter is lost (the request goes on target-only)."""
+        """The drafter call's result, or None once the drafter is lost, or its session of this request is gone
+        (swept after ``session_idle_timeout_s`` while the request drafted nothing): the request goes on
+        target-only."""
         try:
             return await call
-        except WorkerLost as error:
-            if error.role != "drafter":
+        except (WorkerLost, UnknownSession) as error:
+            if isinstance(error, WorkerLost) and error.role != "drafter":
                 raise
             if self.drafter is not None:
                 self.drafter, self.pipelined = None, False

@@ -14,6 +14,10 @@ from hetspec.config import SamplingParams, SpeculationConfig, StrictModel
 from deployments.errors import InvalidRequest
 
 
+# Most chat turns one request may hold (each costs template tokens: more never fit a prompt limit in use).
+MAX_MESSAGES = 4096
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
     content: str = Field(description="What is said.")
@@ -21,8 +25,8 @@ class ChatMessage(StrictModel):
 
 class GenerationRequest(StrictModel):
     prompt: str | None = Field(None, description="Plain prompt (exclusive with messages).")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, description="Chat turns, rendered by each "
-                                               "model's chat template (exclusive with prompt).")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES, description=(
+        "Chat turns, rendered by each model's chat template (exclusive with prompt)."))
     params: SamplingParams = Field(description="Sampling and stop settings.")
     algorithm: AlgorithmName | None = Field(None, description="Speculation algorithm; None: the server default.")
     draft_tokens: int | None = Field(None, ge=1, le=64, description="Draft length k; None: the server default.")

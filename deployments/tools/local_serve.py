@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from deployments.config import GRPC_MAX_MESSAGE_BYTES
 from deployments.tools.client import wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,8 +101,14 @@ def with_private_ports(serve_config: dict) -> dict:
 
 @contextmanager
 def _private_environment(keep_api_key: bool) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH", "HETSPEC_API_KEY")}
+    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH", "HETSPEC_API_KEY",
+                                                     "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE",
+                                                     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH")}
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    # the gRPC proxy's message bound (Ray's default is 2 GiB): a larger request is refused before a replica sees it
+    os.environ["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] = str(GRPC_MAX_MESSAGE_BYTES)
+    # the API key checked in the proxy, before routing (deployments/proxy.py), when $HETSPEC_API_KEY is kept
+    os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = "deployments.proxy:proxy_middlewares"
     # Serve's gRPC proxy and the controller's app builder import the repo outside any runtime_env (as the
     # image does): it must be on every process's path.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), saved["PYTHONPATH"]]))

@@ -34,6 +34,10 @@ class Sessions(Generic[Session]):
         self._entries: dict[str, _Entry[Session]] = {}
         self._guard = threading.Lock()  # protects the dict, never held during model work
         self._closing = 0  # closed, but still held until the call running on them ends
+        # ids closed before they were opened (a client gone while its open was still on the way): when is each
+        # remembered since, so the open that comes after frees its session at once instead of leaving it to the
+        # idle sweep; forgotten after idle_timeout_s
+        self._closed_before_open: dict[str, float] = {}
         self._sweeper_stop = threading.Event()
 
     def __len__(self) -> int:
@@ -48,12 +52,18 @@ class Sessions(Generic[Session]):
         return sum(1 for entry in list(self._entries.values()) if not entry.lock.locked() and entry.last_used >= since)
 
     def open(self, request_id: str, session: Session) -> None:
+        """Hold ``session`` under ``request_id``; one whose close came first is freed and ``UnknownSession``."""
         with self._guard:
-            if request_id in self._entries:
-                raise ValueError(f"session {request_id} is already open")
-            if len(self) >= self.max_sessions:
-                raise SessionLimitReached(f"this actor already holds {self.max_sessions} sessions (max_sessions)")
-            self._entries[request_id] = _Entry(session)
+            closed_first = self._closed_before_open.pop(request_id, None) is not None
+            if not closed_first:
+                if request_id in self._entries:
+                    raise ValueError(f"session {request_id} is already open")
+                if len(self) >= self.max_sessions:
+                    raise SessionLimitReached(f"this actor already holds {self.max_sessions} sessions (max_sessions)")
+                self._entries[request_id] = _Entry(session)
+                return
+        self._release(session)
+        raise UnknownSession(request_id)
 
     @contextmanager
     def use(self, request_id: str) -> Iterator[Session]:
@@ -70,10 +80,12 @@ class Sessions(Generic[Session]):
                 entry.last_used = time.monotonic()
 
     def close(self, request_id: str) -> bool:
-        """Free a session; False if there was none (already closed or expired)."""
+        """Free a session; False if there was none (already closed, expired, or not opened yet: then its open,
+        should it come, frees it at once)."""
         with self._guard:
             entry = self._entries.pop(request_id, None)  # no new call gets it from here on
             if entry is None:
+                self._closed_before_open[request_id] = time.monotonic()
                 return False
             self._closing += 1
         try:
@@ -87,6 +99,10 @@ class Sessions(Generic[Session]):
     def close_idle(self) -> list[str]:
         """Free the sessions idle for longer than the timeout (a busy one is never idle); their ids."""
         deadline = time.monotonic() - self.idle_timeout_s
+        with self._guard:
+            for request_id, since in list(self._closed_before_open.items()):
+                if since < deadline:
+                    del self._closed_before_open[request_id]
         expired = [request_id for request_id, entry in list(self._entries.items())
                    if entry.last_used < deadline and not entry.lock.locked()]
         return [request_id for request_id in expired if self.close(request_id)]
