@@ -173,7 +173,7 @@ def compare_layouts(language_model, length: int = 10) -> dict[str, bool]:
     (two branches) whose path nodes are checked. Uses and frees a few rows of the model's KV pool."""
     from hetspec.kv import Feed, forward  # hetspec.kv imports nothing of this module; loaded lazily all the same
 
-    vocab = min(language_model.vocab_size, len(language_model.tokenizer))
+    vocab = language_model.vocab_size
     ids = [(7919 * (index + 1)) % (vocab - 2) + 1 for index in range(length)]
     other_ids = [(104729 * (index + 3)) % (vocab - 2) + 1 for index in range(length)]
     sessions = []
