@@ -114,7 +114,7 @@ def exact_attention(module: torch.nn.Module | None, query: torch.Tensor, key: to
     return output.transpose(1, 2).contiguous(), None
 
 
-# A Linear layer with more inputs than this gives a row other bits among other rows (bfloat16, this CPU): fed row by row.
+# A Linear layer with more inputs gives a row other bits among other rows (bfloat16, this CPU): fed row by row.
 ROW_BY_ROW_ABOVE = 1024
 
 
@@ -199,8 +199,8 @@ def compare_layouts(language_model, length: int = 10) -> dict[str, bool]:
         results["lone row"] = same(session(ids[:start]).extend(ids[start:start + 3]), start)
         for name, packed in (("padded", False), ("packed", True)):
             row, beside = session(ids[:start]), session(other_ids[:length - 2])
-            logits = forward(language_model, [Feed(beside, [other_ids[length - 2]], 1), Feed(row, ids[start:start + 3], 3)],
-                             packed=packed)
+            feeds = [Feed(beside, [other_ids[length - 2]], 1), Feed(row, ids[start:start + 3], 3)]
+            logits = forward(language_model, feeds, packed=packed)
             results[name] = same(logits[1], start)
         # nodes: ids[start] (root), a sibling, ids[start + 1] under the root, ids[start + 2] under that
         tree = session(ids[:start])

@@ -541,8 +541,8 @@ def test_bad_grpc_input_is_invalid_argument_without_an_error_logged(grpc_stub, r
     assert_nothing_logged_as_an_error(sizes, request_id)
 
 
-def test_a_seed_reproduces_the_sample_alone_and_beside_concurrent_requests(grpc_stub, openai_client, served_app,  # noqa: F811
-                                                                           reference):
+def test_a_seed_reproduces_the_sample_alone_and_beside_concurrent_requests(  # noqa: F811
+        grpc_stub, openai_client, served_app, reference):
     """The same seeded request (algorithm auto: exact matching for a seed) 5 times alone and 5 times beside 7
     other concurrent requests (greedy and sampled, other prompts and lengths: other batches and draft lengths),
     over HTTP and gRPC, streamed and not: one text, the library's seeded ``ar`` sample; n=2 with seed s
