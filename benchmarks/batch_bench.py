@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bit-exact", action="store_true",
+                        help="load the target with bit_exact (hetspec/exact.py): its cost against a run without")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-one-at-a-time", action="store_true",
                         help="leave out the one-request-at-a-time method (its 8 sequential requests dominate the run)")
@@ -95,7 +97,7 @@ def hetspec_batched(engine: Engine, prompts: list[str], params: SamplingParams,
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     torch.set_num_threads(args.threads)
-    target = load_model(args.target, args.dtype, args.device, args.threads)
+    target = load_model(args.target, args.dtype, args.device, args.threads, bit_exact=args.bit_exact)
     drafter = load_model(args.drafter, args.dtype, args.device, args.threads, quantize=args.drafter_quantize)
     largest = max(args.batch_sizes)
     engine = Engine(target, drafter, batching=BatchingConfig(max_batch_size=largest))

@@ -99,8 +99,9 @@ class SamplingParams(StrictModel):
 class SpeculationConfig(StrictModel):
     algorithm: Algorithm = Field("auto", description=(
         "ar: target alone; sd: standard speculative decoding (same vocabulary); slem: string-level exact match; "
-        "tli: token-level intersection; slrs: string-level rejection sampling; auto: sd for identical "
-        "tokenizers, else slem for greedy and tli for sampling."))
+        "tli: token-level intersection; slrs: string-level rejection sampling; auto: slem for greedy and for "
+        "sampling with a given seed (the seed then reproduces the target-only sample at any load), otherwise sd "
+        "for identical tokenizers and tli for different ones."))
     draft_tokens: int = Field(5, ge=1, le=64, description="Draft length k (the starting value when adaptive).")
     adaptive: bool = Field(False, description="Grow k by 2 after a fully accepted draft, shrink by 1 after a rejection.")
     min_draft_tokens: int = Field(1, ge=1, le=64, description="Lower bound of the adaptive k.")
@@ -183,6 +184,12 @@ class ModelConfig(StrictModel):
         "Kernels of the float32 Linear layers on the CPU: onednn converts their weights once for oneDNN "
         "(hetspec/linear.py; a target pass ~2x faster on an AMD EPYC), torch keeps torch's default, auto is "
         "onednn for float32 on the CPU and torch otherwise."))
+    bit_exact: bool = Field(False, description=(
+        "Attention computes each query alone over exactly the keys it sees (hetspec/exact.py): with row-invariant "
+        "Linear kernels (bfloat16 on this project's CPUs) a position's logits are bit-identical whatever shares "
+        "its pass (draft length, batch, prompt chunks, trees), so greedy and seeded outputs never depend on load. "
+        "Costs a kernel call per query and layer; the load-time self-check reports whether it holds "
+        "(docs/losslessness.md)."))
 
     @model_validator(mode="after")
     def _kernels_fit(self) -> "ModelConfig":

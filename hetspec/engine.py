@@ -43,11 +43,16 @@ class Engine:
                 request_id: str = "") -> Request:
         """A validated request, ready to join a ``BatchDecoder`` (no KV memory is taken before its first pass)."""
         # a plain dict is accepted too, validated here: a ValidationError names the field
-        params = (SamplingParams() if params is None else SamplingParams.model_validate(params)).seeded()
+        params = SamplingParams() if params is None else SamplingParams.model_validate(params)
         speculation = self.speculation if speculation is None else SpeculationConfig.model_validate(speculation)
+        # ``auto`` resolves on the caller's seed (a given seed picks exact matching), before one is drawn
+        algorithm = resolve_name(speculation.algorithm, self.maps, params)
+        if speculation.algorithm == "auto":
+            speculation = speculation.model_copy(update={"algorithm": algorithm})
+        params = params.seeded()
         target_ids = self.prompt_ids(prompt, messages, self.target)
         drafter_ids = None  # the drafter's own tokenization, only for algorithms that draft
-        if resolve_name(speculation.algorithm, self.maps, params) != "ar":
+        if algorithm != "ar":
             drafter_ids = self.prompt_ids(prompt, messages, self.drafter)
         return Request(self.target, self.drafter, self.maps, speculation, params, target_ids, drafter_ids,
                        request_id=request_id)

@@ -6,22 +6,19 @@ the keys gathered), whichever costs less: hetspec/layouts.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from hetspec import layouts
 from hetspec.kv import Feed, KVPool
 
-if TYPE_CHECKING:
-    from hetspec.lean import LeanDecoder
-
 
 class PassModel(Protocol):
     """What a pass needs of a model (``hetspec.models.LanguageModel`` is one)."""
 
     model: Any  # a transformers causal LM
-    lean: "LeanDecoder | None"
+    lean: Any  # a hetspec.lean.LeanDecoder (it imports hetspec.exact, which runs passes: no import here), or None
 
     @property
     def kv_pool(self) -> KVPool: ...

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hetspec.exact import exact_attention, uses_exact_attention
 from hetspec.int8 import Int8WeightLinear
 
 SUPPORTED_TYPES = ("llama", "qwen2")
@@ -117,6 +118,7 @@ class LeanDecoder(torch.nn.Module):
         self.head_dim = decoder.layers[0].self_attn.head_dim
         self.embed_tokens, self.rotary_emb, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.lm_head = model.lm_head
+        self.exact = uses_exact_attention(model)  # loaded bit_exact: each query alone (hetspec/exact.py)
         # plain objects, not submodules: the model owns the shared modules, the fused layers are ours alone
         self._layers = [_Layer(layer) for layer in decoder.layers]
 
@@ -145,9 +147,14 @@ class LeanDecoder(torch.nn.Module):
             query_states, key_states = rotated[:, :self.heads], rotated[:, self.heads:]
             cache.write(pool_keys[index], key_states)
             cache.write(pool_values[index], qkv[:, rotated_heads:])
-            attended = F.scaled_dot_product_attention(
-                query_states, cache.read(pool_keys[index]), cache.read(pool_values[index]),
-                attn_mask=attention_mask, scale=layer.scaling, enable_gqa=self.kv_heads != self.heads)
+            if self.exact:
+                attended = exact_attention(None, query_states, cache.read(pool_keys[index]),
+                                           cache.read(pool_values[index]), attention_mask,
+                                           scaling=layer.scaling)[0].transpose(1, 2)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    query_states, cache.read(pool_keys[index]), cache.read(pool_values[index]),
+                    attn_mask=attention_mask, scale=layer.scaling, enable_gqa=self.kv_heads != self.heads)
             hidden = hidden + layer.o_proj(attended.transpose(1, 2).reshape(batch, queries, -1))
             normed = _norm(layer.post_attention_norm, hidden)
             gate, up = _side_by_side(layer.gate_up, normed).chunk(2, -1)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from hetspec import registry
+from hetspec import exact, registry
 from hetspec.config import require_unicode
 from hetspec.int8 import quantize_weights
 from hetspec.forward import forward
@@ -43,6 +43,12 @@ class LanguageModel:
     vocab_size: int  # width of the logits; may exceed len(tokenizer) (padded embedding rows)
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     lean: LeanDecoder | None = None  # runs the passes instead of ``model``'s forward (hetspec/lean.py)
+
+    @cached_property
+    def bit_exact(self) -> bool:
+        """Whether a position's logits have the same bits in every pass layout as in a one-position pass: the
+        self-check of hetspec/exact.py, run once (at load by the server's workers), its answer logged."""
+        return exact.self_check(self)
 
     def __repr__(self) -> str:
         return f"LanguageModel({self.name!r}, vocab_size={self.vocab_size}, device={self.device})"
@@ -155,7 +161,7 @@ def load_tokenizer(spec: str, progress: Callable[[str], None] | None = None) -> 
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: int | None = None,
                progress: Callable[[str], None] | None = None, quantize: str = "none",
-               linear: str = "auto", forward: str = "auto") -> LanguageModel:
+               linear: str = "auto", forward: str = "auto", bit_exact: bool = False) -> LanguageModel:
     """``quantize="int8"``: int8 dynamic quantization of every Linear layer (torch.ao, CPU; weights loaded in
     float32 first, ``dtype`` then applies to nothing else). For drafters: it changes their proposals, never
     the output, and a 135M drafter's step drops ~2x on a 2-core CPU (benchmarks/README.md).
@@ -164,7 +170,10 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
     ``linear``: "auto" runs float32 Linear layers on the CPU through oneDNN with weights converted once
     (hetspec/linear.py: ~2x faster passes on this project's CPU), "onednn" insists, "torch" keeps torch's.
     ``forward``: "auto" runs an int8-quantized Llama-family model through ``hetspec.lean.LeanDecoder`` (a drafter's
-    pass 1.3-1.4x faster), "lean" insists (Llama-family models only), "transformers" keeps the model's forward."""
+    pass 1.3-1.4x faster), "lean" insists (Llama-family models only), "transformers" keeps the model's forward.
+    ``bit_exact``: attention computes each query alone over exactly its keys, and Linear layers too wide to be
+    row-invariant go row by row (hetspec/exact.py), so that (bfloat16 here) a position's logits do not depend on
+    what shares its pass; the model's own ``generate`` runs the same. ``LanguageModel.bit_exact`` checks it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if forward not in FORWARDS:
@@ -204,6 +213,8 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", threads: 
         quantize_weights(model)
     if onednn:
         convert_linear_layers(model)
+    if bit_exact:
+        exact.make_exact(model)
     lean = LeanDecoder(model) if uses_lean(forward, model, quantize) else None
     return LanguageModel(name=spec, model=model, tokenizer=tokenizer, device=torch.device(device),
                          vocab_size=vocab_size, eos_token_ids=frozenset(eos_ids), lean=lean)

@@ -652,6 +652,27 @@ def test_unseeded_sampling_draws_a_fresh_seed_that_reproduces_the_sample():
     assert batched[0].stats.seed != batched[1].stats.seed
 
 
+def test_auto_with_a_seed_samples_the_targets_own_seeded_sample_at_any_draft_length_and_batch():
+    """A client's seed makes ``auto`` run exact matching (SLEM): the sample is seeded ``ar``'s whatever the draft
+    length, the drafter's luck or the batch; without a seed auto runs TLI, and greedy SLEM as before."""
+    target = language_model("target", target_tokenizer(), seed=0)
+    engine = Engine(target, language_model("drafter", drafter_tokenizer(), seed=1),
+                    batching=BatchingConfig(max_batch_size=8))
+    params = [SamplingParams(max_new_tokens=6, temperature=0.9, seed=seed, ignore_eos=True) for seed in range(6)]
+    target_alone = [engine.generate("ab c", p, speculation={"algorithm": "ar"}).token_ids for p in params]
+    for draft_tokens in (1, 2, 5):
+        speculation = {"algorithm": "auto", "draft_tokens": draft_tokens}
+        alone = [engine.generate("ab c", p, speculation=speculation) for p in params]
+        assert {result.stats.algorithm for result in alone} == {"slem"}
+        assert [result.token_ids for result in alone] == target_alone, draft_tokens
+        batched = engine.generate_batch(["ab c", "b"] * 3 + ["ab c"] * 6, [params[0]] * 6 + params,
+                                        speculation=speculation)
+        assert [result.token_ids for result in batched[6:]] == target_alone, draft_tokens
+    unseeded = engine.generate("ab c", SamplingParams(max_new_tokens=4, temperature=0.9))
+    assert unseeded.stats.algorithm == "tli"
+    assert engine.generate("ab c", SamplingParams(max_new_tokens=4)).stats.algorithm == "slem"
+
+
 def test_the_first_token_is_the_targets_own_and_drafting_starts_at_the_second():
     """As served (the drafter's prompt is fed at its first draft there), so both runtimes draft alike and a seeded
     sample is the same in process and served."""

@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hetspec import Engine, SamplingParams, SpeculationConfig, kv, load_model
+from hetspec.exact import compare_layouts, make_exact
 from hetspec.int8 import Int8WeightLinear, quantize_weights
 from hetspec.forward import forward
 from hetspec.kv import Feed
@@ -58,6 +59,20 @@ def test_the_lean_forward_computes_what_transformers_computes_in_every_layout(ki
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=0)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_bit_exact_lean_forward_is_bit_exact_and_computes_what_transformers_computes(kind):
+    """Loaded bit_exact (hetspec/exact.py), the lean forward attends one query at a time too: every layout gives
+    the transformers forward's bits, and every position the bits of a one-position pass."""
+    model = _tiny(kind, torch.bfloat16)
+    make_exact(model.model)
+    reference = _passes(model)
+    model.lean = LeanDecoder(model.model)
+    assert model.lean.exact
+    for expected, got in zip(reference, _passes(model), strict=True):
+        assert torch.equal(got, expected)
+    assert compare_layouts(model) == dict.fromkeys(("chunked prompt", "lone row", "padded", "packed", "tree"), True)
 
 
 def test_the_lean_forward_runs_int8_drafters_only_where_asked_and_refuses_what_it_cannot_run(gemma, smollm):

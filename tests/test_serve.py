@@ -133,18 +133,22 @@ def test_grpc_sampling_tli_matches_library(grpc_stub, engine, pipelined):
 
 
 def test_unseeded_sampling_is_random_and_the_reported_seed_reproduces_it(grpc_stub, openai_client, served_app):  # noqa: F811
-    def http(seed=None):
-        completion = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], max_tokens=6,
-                                                      temperature=1.0, seed=seed)
+    """An unseeded request draws a seed (reported); sent with that seed, a request reproduces an exact-matching
+    sample (SLEM: what auto runs for a seed) at any load, a TLI sample at the same drafts (here: idle)."""
+    def http(seed=None, algorithm=None):
+        completion = openai_client.completions.create(
+            model=served_app.model_id, prompt=PROMPTS[1], max_tokens=6, temperature=1.0, seed=seed,
+            extra_body={"hetspec": {"algorithm": algorithm}} if algorithm else None)
         return completion.model_extra["hetspec"]["token_ids"], completion.model_extra["hetspec"]["stats"]["seed"]
 
-    (first_ids, first_seed), (_, second_seed) = http(), http()
+    (first_ids, first_seed), (_, second_seed) = http(algorithm="slem"), http(algorithm="slem")
     assert first_seed != second_seed
-    assert http(first_seed) == (first_ids, first_seed)
+    assert http(first_seed) == (first_ids, first_seed)  # auto with a seed: SLEM
     request = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=6, temperature=1.0)
     unseeded = grpc_stub.Generate(request, timeout=300)
+    assert unseeded.stats.algorithm == "tli"  # auto without a seed: free to use rejection sampling
     assert unseeded.stats.seed not in (0, first_seed)
-    request.seed = unseeded.stats.seed
+    request.seed, request.algorithm = unseeded.stats.seed, "tli"
     assert list(grpc_stub.Generate(request, timeout=300).token_ids) == list(unseeded.token_ids)
 
 
@@ -535,3 +539,57 @@ def test_bad_grpc_input_is_invalid_argument_without_an_error_logged(grpc_stub, r
     assert raised.value.details().startswith(f"{field}:"), raised.value.details()
     # a client's mistake is answered, not raised: Serve logs a raised one as an ERROR with a traceback
     assert_nothing_logged_as_an_error(sizes, request_id)
+
+
+def test_a_seed_reproduces_the_sample_alone_and_beside_concurrent_requests(  # noqa: F811
+        grpc_stub, openai_client, served_app, reference):
+    """The same seeded request (algorithm auto: exact matching for a seed) 5 times alone and 5 times beside 7
+    other concurrent requests (greedy and sampled, other prompts and lengths: other batches and draft lengths),
+    over HTTP and gRPC, streamed and not: one text, the library's seeded ``ar`` sample; n=2 with seed s
+    returns the samples of seeds s and s + 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seed, tokens = 7, 10
+    expected = reference(PROMPTS[1], max_new_tokens=tokens, temperature=1.0, seed=seed)
+
+    def http() -> str:
+        completion = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], seed=seed,
+                                                      temperature=1.0, max_tokens=tokens)
+        assert completion.model_extra["hetspec"]["stats"]["algorithm"] == "slem"
+        return completion.choices[0].text
+
+    def http_stream() -> str:
+        return "".join(chunk.choices[0].text for chunk in openai_client.completions.create(
+            model=served_app.model_id, prompt=PROMPTS[1], seed=seed, temperature=1.0, max_tokens=tokens,
+            stream=True) if chunk.choices)
+
+    request = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=tokens, temperature=1.0, seed=seed)
+
+    def grpc_once() -> str:
+        response = grpc_stub.Generate(request, timeout=300)
+        assert response.stats.algorithm == "slem"
+        return response.text
+
+    def grpc_stream() -> str:
+        return "".join(message.text for message in grpc_stub.GenerateStream(request, timeout=300))
+
+    def other(index: int) -> str:  # unseeded sampling (TLI), greedy, other prompts and lengths
+        params = {"prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": 4 + 2 * index,
+                  "temperature": 0.0 if index % 2 else 0.9}
+        return openai_client.completions.create(model=served_app.model_id, **params).choices[0].text
+
+    texts = []
+    with ThreadPoolExecutor(8) as pool:
+        for send in (http, http_stream, grpc_once, grpc_stream):
+            texts += [send() for _ in range(5)]  # alone
+            for _ in range(5):  # beside 7 concurrent requests
+                others = [pool.submit(other, index) for index in range(7)]
+                texts.append(pool.submit(send).result())
+                for future in others:
+                    future.result()
+    assert set(texts) == {expected.text}, texts
+
+    choices = openai_client.completions.create(model=served_app.model_id, prompt=PROMPTS[1], seed=seed, n=2,
+                                               temperature=1.0, max_tokens=tokens).choices
+    assert [choice.text for choice in choices] == \
+        [reference(PROMPTS[1], max_new_tokens=tokens, temperature=1.0, seed=seed + index).text for index in range(2)]

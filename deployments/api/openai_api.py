@@ -333,7 +333,10 @@ def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordi
         return await _respond(coordinator, body, chat=True)
 
     def model_card(coordinator: Coordinator) -> dict:
-        return {"id": coordinator.config.model_id, "object": "model", "created": 0, "owned_by": "hetspec"}
+        # bit_exact: the target's load-time self-check (hetspec/exact.py); where true, a greedy or seeded
+        # output does not depend on load, batch or draft length even at a tie in the last bit
+        return {"id": coordinator.config.model_id, "object": "model", "created": 0, "owned_by": "hetspec",
+                "bit_exact": coordinator.bit_exact}
 
     @app.get("/v1/models")
     async def models(coordinator: Coordinator = Depends(get_coordinator)):

@@ -93,6 +93,7 @@ class Coordinator:
         limits = config.limits
         self.admission = Admission(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s,
                                    limits.kv_cache_bytes, on_change=lambda: self._publish_load())
+        self.bit_exact = target_info.bit_exact  # the target's self-check: /v1/models reports it
         self.kv_bytes_per_token = {"target": target_info.kv_bytes_per_token,
                                    "drafter": drafter_info.kv_bytes_per_token}
         # the draft length at this replica's load, for the requests with speculation.load_adaptive

@@ -30,6 +30,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: frozenset[int]
     kv_bytes_per_token: int = 0  # keys and values of one token, all layers (admission's KV budget)
+    bit_exact: bool = False  # the model's load-time self-check (hetspec/exact.py)
 
     def stand_in(self) -> LanguageModel:
         """A LanguageModel without weights: enough for tokenizing, vocabulary maps and ``OutputText``."""

@@ -63,7 +63,8 @@ def _load(model: ModelConfig | LanguageModel) -> LanguageModel:
     if isinstance(model, LanguageModel):
         return model
     return load_model(model.model, dtype=model.dtype, device=model.device, threads=model.threads,
-                      quantize=model.quantize, linear=model.linear, forward=model.forward)
+                      quantize=model.quantize, linear=model.linear, forward=model.forward,
+                      bit_exact=model.bit_exact)
 
 
 class _Worker:
@@ -86,6 +87,8 @@ class _Worker:
         # (deployments/serving/load_adaptive.py) measures steps, and such a step priced the prompt, not the draft length
         self._fed_prompt = False
         self.model = self.model_threads.run(_load, model)[0]
+        # the self-check (a few passes; it logs its answer) at load, on the model's threads
+        self.bit_exact = self.model_threads.run(lambda: self.model.bit_exact)[0]
         self.passes = SharedPasses(self.model, execute=self.model_threads.run, on_pass=self._record_pass)
         self.prefill_chunk_tokens = pipeline.prefill_chunk_tokens
         self.actor_id = uuid.uuid4().hex[:8]
@@ -116,7 +119,7 @@ class _Worker:
 
     def info(self) -> ModelInfo:
         return ModelInfo(self.model.name, self.model.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
-                         self.model.kv_pool.bytes_per_token)
+                         self.model.kv_pool.bytes_per_token, self.bit_exact)
 
     def ping(self) -> str:
         return self.actor_id
@@ -134,6 +137,7 @@ class _Worker:
                 "max_sessions": self.sessions.max_sessions, "calls_in_progress": self._calls,
                 "forward_passes": self.passes.passes, "pass_rows": self.passes.rows,
                 "kv_bytes_per_token": pool.bytes_per_token, "kv_reserved_bytes": pool.reserved_bytes,
+                "bit_exact": self.bit_exact,
                 **self.heap_trimmer.stats()}
 
     def _run_for(self, items: list[tuple[str, tuple]], computation: Callable[..., Any]) -> tuple[list, float]:
