@@ -64,3 +64,49 @@ def test_a_broken_threshold_fails_the_unit_tests(tmp_path):
     tested = subprocess.run([promtool(), "test", "rules", RULE_TESTS.name], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
     assert tested.returncode != 0 and "HetSpecErrorRatioHigh" in tested.stdout + tested.stderr
+
+
+def _load_validator():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prometheus_validate", RULES_DIR / "validate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pod_monitor_matches_the_prometheus_operator_crd():
+    validate = _load_validator()
+    assert validate.crd_dir() == RULES_DIR / "crds" and (RULES_DIR / "crds" / "LICENSE").is_file()
+    assert validate.file_errors(RULES_DIR / "podmonitor.yaml") == []
+
+
+def test_the_pod_monitor_validation_rejects_what_a_cluster_would():
+    import copy
+
+    validate = _load_validator()
+    monitor = yaml.safe_load((RULES_DIR / "podmonitor.yaml").read_text())
+    misspelled = copy.deepcopy(monitor)
+    misspelled["spec"]["podMetricsEndpoint"] = misspelled["spec"].pop("podMetricsEndpoints")
+    assert any("podMetricsEndpoint" in problem for problem in validate.manifest_errors(misspelled))
+    bad_action = copy.deepcopy(monitor)
+    bad_action["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["action"] = "keep-it"
+    assert validate.manifest_errors(bad_action)
+    no_selector = copy.deepcopy(monitor)
+    del no_selector["spec"]["selector"]
+    assert any("selector" in problem for problem in validate.manifest_errors(no_selector))
+
+
+def test_the_pod_monitor_scrapes_the_rayservice_metrics_port():
+    """The port it names is the head's metrics port in cluster/kuberay/rayservice.yaml; a worker container that
+    declares none gets KubeRay's default (``metrics``, 8080), and one that does must use that port."""
+    monitor = yaml.safe_load((RULES_DIR / "podmonitor.yaml").read_text())
+    service = next(document for document in yaml.safe_load_all(
+        (RULES_DIR.parent / "kuberay" / "rayservice.yaml").read_text()) if document and document["kind"] == "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"], *(group["template"] for group in cluster["workerGroupSpecs"])]
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    for pod in pods:
+        ports = {port.get("name"): port["containerPort"] for port in pod["spec"]["containers"][0].get("ports", [])}
+        assert ports.get(endpoint["port"], 8080 if pod is not pods[0] else None) == 8080, ports
+    assert endpoint["relabelings"][0]["regex"] == f"{service['metadata']['name']}-.*"
