@@ -113,6 +113,17 @@ def serve_request_id() -> str | None:
         return None
 
 
+def serve_replica_id() -> str | None:
+    """Serve's unique id of this replica (as ``serve status`` and the Serve logs name it); None outside a replica."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # not in a Serve replica
+        return None
+
+
 def _with_template(info: ModelInfo, chat_template: str | None) -> LanguageModel:
     model = info.stand_in()
     if chat_template and not model.tokenizer.chat_template:
@@ -142,8 +153,10 @@ class Coordinator:
         self.batches = StepBatches(config.pipeline.batch_wait_s, on_batch=self.load_adaptive.on_batch,
                                    one_model_at_a_time=config.pipeline.one_model_at_a_time)
         self.api_keys = ApiKeys.from_config(config.auth)  # the environment of this replica's process
-        self.replica = uuid.uuid4().hex[:8]
+        self.replica = serve_replica_id() or uuid.uuid4().hex[:8]  # Serve's id: the metrics' and actor names' too
         self.metrics = coordinator_metrics()
+        self.metrics.for_replica(self.replica)
+        self._publish_load()
 
     def reconfigure(self, config: AppConfig) -> None:
         """Take ``config``'s speculation and limits for new requests: a prepared request holds its own
@@ -152,6 +165,7 @@ class Coordinator:
         limits = config.limits
         self.admission.resize(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s,
                               limits.kv_cache_bytes)
+        self._publish_load()  # the KV budget may have changed
 
     def prepare(self, request: GenerationRequest, request_id: str | None = None) -> Prepared:
         """Validate everything a client can get wrong, before any response is sent."""
@@ -364,6 +378,8 @@ class Coordinator:
         self.metrics.running_requests.set(self.admission.running, tags=tags)
         self.metrics.waiting_requests.set(self.admission.waiting, tags=tags)
         self.metrics.admitted_kv_bytes.set(self.admission.kv_bytes, tags=tags)
+        if self.admission.kv_budget is not None:
+            self.metrics.kv_budget_bytes.set(self.admission.kv_budget, tags=tags)
 
     def _track(self, delta: int) -> None:
         self.ongoing += delta
