@@ -101,8 +101,8 @@ def test_the_pod_monitor_scrapes_the_rayservice_metrics_port():
     """The port it names is the head's metrics port in cluster/kuberay/rayservice.yaml; a worker container that
     declares none gets KubeRay's default (``metrics``, 8080), and one that does must use that port."""
     monitor = yaml.safe_load((RULES_DIR / "podmonitor.yaml").read_text())
-    service = next(document for document in yaml.safe_load_all(
-        (RULES_DIR.parent / "kuberay" / "rayservice.yaml").read_text()) if document and document["kind"] == "RayService")
+    manifests = yaml.safe_load_all((RULES_DIR.parent / "kuberay" / "rayservice.yaml").read_text())
+    service = next(document for document in manifests if document and document["kind"] == "RayService")
     cluster = service["spec"]["rayClusterConfig"]
     pods = [cluster["headGroupSpec"]["template"], *(group["template"] for group in cluster["workerGroupSpecs"])]
     endpoint = monitor["spec"]["podMetricsEndpoints"][0]
