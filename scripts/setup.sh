@@ -2,6 +2,13 @@
 # Create .venv and install hetspec with its serving and test extras. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Debian's prometheus (prometheus and promtool): the tests of cluster/prometheus/ and of a live Prometheus scraping
+# the app (tests/test_prometheus_rules.py, tests/test_prometheus_serve.py). Skipped when already installed.
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv

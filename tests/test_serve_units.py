@@ -418,7 +418,15 @@ def test_grafana_dashboard_charts_every_metric_and_only_those():
 
     defined = {metric._name for owner in (CoordinatorMetrics(), WorkerMetrics()) for metric in vars(owner).values()}
     dashboard = json.loads((REPO / "cluster" / "grafana" / "hetspec.json").read_text())
+    recorded = {rule["record"]: rule["expr"] for group in yaml.safe_load(
+        (REPO / "cluster" / "prometheus" / "hetspec.rules.yaml").read_text())["groups"]
+        for rule in group["rules"] if "record" in rule}
     expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    used = {name for expression in expressions for name in re.findall(r"hetspec:[\w:]+", expression)}
+    assert used <= set(recorded), sorted(used - set(recorded))  # every recording rule a panel reads is shipped
+    while used:  # a recording rule charts what it reads
+        expressions += [recorded[name] for name in used]
+        used = {name for name in re.findall(r"hetspec:[\w:]+", " ".join(recorded[name] for name in used))} - used
     charted = {re.sub(r"_(bucket|sum|count)$", "", name)
                for expression in expressions for name in re.findall(r"ray_(hetspec_\w+)", expression)}
     assert charted == defined

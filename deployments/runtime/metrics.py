@@ -1,5 +1,7 @@
 """Prometheus metrics through ``ray.util.metrics`` (exported by every Ray node, charted by
-cluster/grafana/hetspec.json). Names carry the ``hetspec_`` prefix; Ray adds ``ray_`` in Prometheus.
+cluster/grafana/hetspec.json, recorded and alerted on by cluster/prometheus/). Names carry the ``hetspec_`` prefix;
+Ray adds ``ray_`` in Prometheus. A coordinator's series carry its Serve replica id (``replica``), a model actor's
+its role and actor id.
 
 Created lazily, once per process: a metric object holds a reference into the process's metrics agent.
 """
@@ -18,47 +20,61 @@ TOKEN_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 8.5, 12.5, 16.5, 32.5, 64.5]
 class CoordinatorMetrics:
     def __init__(self) -> None:
         self.requests = Counter("hetspec_requests_total", "Finished requests.",
-                                tag_keys=("protocol", "algorithm", "finish_reason"))
+                                tag_keys=("protocol", "algorithm", "finish_reason", "replica"))
         self.request_errors = Counter("hetspec_request_errors_total", "Requests that ended in an error.",
-                                      tag_keys=("protocol", "kind"))
-        self.generated_tokens = Counter("hetspec_generated_tokens_total", "Tokens generated.", tag_keys=("algorithm",))
-        self.prompt_tokens = Counter("hetspec_prompt_tokens_total", "Prompt tokens read.", tag_keys=("algorithm",))
+                                      tag_keys=("protocol", "kind", "replica"))
+        self.generated_tokens = Counter("hetspec_generated_tokens_total", "Tokens generated.",
+                                        tag_keys=("algorithm", "replica"))
+        self.prompt_tokens = Counter("hetspec_prompt_tokens_total", "Prompt tokens read.",
+                                     tag_keys=("algorithm", "replica"))
         # source: the draft's, "drafter" (the drafter model) or "lookup" (context lookup, hetspec/lookup.py)
         self.drafted_tokens = Counter("hetspec_drafted_tokens_total", "Candidates sent to the target.",
-                                      tag_keys=("algorithm", "source"))
+                                      tag_keys=("algorithm", "source", "replica"))
         self.accepted_tokens = Counter("hetspec_accepted_tokens_total", "Candidates the target kept.",
-                                       tag_keys=("algorithm", "source"))
+                                       tag_keys=("algorithm", "source", "replica"))
         self.accepted_length = Histogram("hetspec_accepted_length", "Candidates accepted per target pass.",
-                                         boundaries=TOKEN_BUCKETS, tag_keys=("algorithm",))
+                                         boundaries=TOKEN_BUCKETS, tag_keys=("algorithm", "replica"))
         self.draft_length = Histogram("hetspec_draft_length", "Candidates per draft.", boundaries=TOKEN_BUCKETS,
-                                      tag_keys=("algorithm",))
+                                      tag_keys=("algorithm", "replica"))
         self.step_seconds = Histogram("hetspec_step_seconds", "Time per decoding step in each stage.",
-                                      boundaries=SECONDS_BUCKETS, tag_keys=("stage",))
+                                      boundaries=SECONDS_BUCKETS, tag_keys=("stage", "replica"))
         self.time_to_first_token = Histogram(
             "hetspec_time_to_first_token_seconds", "From the request's arrival at a replica to its first text "
-            "(time in line included).", boundaries=LATENCY_BUCKETS, tag_keys=("protocol",))
+            "(time in line included).", boundaries=LATENCY_BUCKETS, tag_keys=("protocol", "replica"))
         self.time_per_output_token = Histogram(
             "hetspec_time_per_output_token_seconds", "Per finished request: seconds per output token after the "
-            "first (inter-token latency).", boundaries=SECONDS_BUCKETS, tag_keys=("protocol",))
+            "first (inter-token latency).", boundaries=SECONDS_BUCKETS, tag_keys=("protocol", "replica"))
         self.request_latency = Histogram("hetspec_request_latency_seconds",
                                          "End-to-end latency of a finished request, from its arrival at a replica.",
-                                         boundaries=LATENCY_BUCKETS, tag_keys=("protocol",))
+                                         boundaries=LATENCY_BUCKETS, tag_keys=("protocol", "replica"))
         self.queue_time = Histogram("hetspec_queue_time_seconds",
                                     "Time a request waited in a replica's line before it ran.",
-                                    boundaries=LATENCY_BUCKETS, tag_keys=("protocol",))
+                                    boundaries=LATENCY_BUCKETS, tag_keys=("protocol", "replica"))
         self.running_requests = Gauge("hetspec_running_requests", "Requests decoding in a replica.",
                                       tag_keys=("replica",))
         self.waiting_requests = Gauge("hetspec_waiting_requests", "Requests waiting in a replica's line.",
                                       tag_keys=("replica",))
         self.pipeline = Counter("hetspec_pipeline_speculations_total",
-                                "Speculative drafts, by outcome (hit: used, miss: dropped).", tag_keys=("outcome",))
+                                "Speculative drafts, by outcome (hit: used, miss: dropped).",
+                                tag_keys=("outcome", "replica"))
         self.drafter_lost = Counter("hetspec_drafter_lost_total",
-                                    "Requests that lost their drafter and were finished by the target alone.")
+                                    "Requests that lost their drafter and were finished by the target alone.",
+                                    tag_keys=("replica",))
         self.admitted_kv_bytes = Gauge("hetspec_admitted_kv_bytes",
                                        "KV cache bytes the running requests of a replica are admitted with.",
                                        tag_keys=("replica",))
         self.ongoing_requests = Gauge("hetspec_coordinator_ongoing_requests",
                                       "Requests in progress in this coordinator replica.", tag_keys=("replica",))
+        self.kv_budget_bytes = Gauge("hetspec_kv_budget_bytes", "A replica's KV cache budget (limits.kv_cache_bytes; "
+                                     "absent without one).", tag_keys=("replica",))
+        self.actor_replacements = Counter("hetspec_actor_replacements_total",
+                                          "Drafter or target actors a replica replaced after they died.",
+                                          tag_keys=("role", "replica"))
+
+    def for_replica(self, replica: str) -> None:
+        """Tag every series of this process with its replica (one coordinator replica per process)."""
+        for metric in vars(self).values():
+            metric.set_default_tags({"replica": replica})
 
 
 class WorkerMetrics:

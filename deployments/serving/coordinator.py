@@ -72,6 +72,17 @@ def longest_token_chars(model: LanguageModel) -> int:
     return max(1, max(len(piece) for piece in model.tokenizer.get_vocab()))
 
 
+def serve_replica_id() -> str | None:
+    """Serve's unique id of this replica (as ``serve status`` and the Serve logs name it); None outside a replica."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:  # not in a Serve replica
+        return None
+
+
 def _with_template(info: ModelInfo, chat_template: str | None) -> LanguageModel:
     model = info.stand_in()
     if chat_template and not model.tokenizer.chat_template:
@@ -106,8 +117,10 @@ class Coordinator:
         self._health: tuple[float, asyncio.Task | None] = (0.0, None)  # the last health check: when, its task
         # prompts are tokenized here, one at a time, never on the event loop (health and the streams wait on it)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="hetspec-tokenize")
-        self.replica = uuid.uuid4().hex[:8]
+        self.replica = serve_replica_id() or uuid.uuid4().hex[:8]  # Serve's id: the metrics' and actor names' too
         self.metrics = coordinator_metrics()
+        self.metrics.for_replica(self.replica)
+        self._publish_load()
 
     def reconfigure(self, config: AppConfig) -> None:
         """Take ``config``'s speculation and limits for new requests: a prepared request holds its own
@@ -116,6 +129,7 @@ class Coordinator:
         limits = config.limits
         self.admission.resize(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s,
                               limits.kv_cache_bytes)
+        self._publish_load()  # the KV budget may have changed
 
     @property
     def max_prompt_chars(self) -> int:
@@ -390,6 +404,8 @@ class Coordinator:
         self.metrics.running_requests.set(self.admission.running, tags=tags)
         self.metrics.waiting_requests.set(self.admission.waiting, tags=tags)
         self.metrics.admitted_kv_bytes.set(self.admission.kv_bytes, tags=tags)
+        if self.admission.kv_budget is not None:
+            self.metrics.kv_budget_bytes.set(self.admission.kv_budget, tags=tags)
 
     def _track(self, delta: int) -> None:
         self.ongoing += delta

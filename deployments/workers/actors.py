@@ -19,13 +19,31 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import ActorResources, AppConfig
 from deployments.errors import ModelLoadFailed
-from deployments.workers.clients import ActorWorker
+from deployments.runtime.metrics import coordinator_metrics
 from deployments.workers.api import ModelInfo
+from deployments.workers.clients import ActorWorker
 from deployments.workers.model_workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("ray.serve")
 
 BUNDLES = {"drafter": 1, "target": 2}  # bundle 0 is the replica's own
+
+
+def actor_name(role: str, generation: int = 1) -> str | None:
+    """The Ray actor name of this replica's ``role`` actor: application, deployment, replica and role, in the
+    way Serve names its replica actors (``SERVE_REPLICA::hetspec#HetSpecServer#<replica>``), e.g.
+    ``hetspec#HetSpecServer#ab12cd34#drafter``; a replacement adds its generation (``...#drafter#2``). What the
+    Ray dashboard's Actors tab and ``ray list actors`` show; None outside a Serve replica (an unnamed actor)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        replica = serve.get_replica_context().replica_id
+    except RayServeException:
+        return None
+    deployment = replica.deployment_id
+    name = f"{deployment.app_name}#{deployment.name}#{replica.unique_id}#{role}"
+    return name if generation == 1 else f"{name}#{generation}"
 
 
 def _actor_options(resources: ActorResources, config: AppConfig, bundle_index: int) -> dict:
@@ -60,11 +78,16 @@ class ActorPipeline:
         self.target_info: ModelInfo | None = None
         self.drafter_info: ModelInfo | None = None
         self._replacing: dict[str, asyncio.Task] = {}
+        self.generations = {"target": 0, "drafter": 0}  # actors started per role: 1, then one more per replacement
 
     def _new_actor(self, role: str):
         worker_class, resources = ((TargetWorker, self.config.target_resources) if role == "target"
                                    else (DrafterWorker, self.config.drafter_resources))
         options = _actor_options(resources, self.config, BUNDLES[role])
+        self.generations[role] += 1
+        name = actor_name(role, self.generations[role])
+        if name is not None:
+            options["name"] = name
         model = self.config.target if role == "target" else self.config.drafter
         io = {"fetch": ray.get} if role == "target" else {"store": ray.put}
         return ray.remote(worker_class).options(**options).remote(model, self.config.pipeline, **io)
@@ -87,6 +110,14 @@ class ActorPipeline:
                 model = self.config.target if role == "target" else self.config.drafter
                 raise ModelLoadFailed(role, model.model, _reason(error)) from None
         await self.drafter.handle.attach_target.remote(target_info)  # the tokenizer goes by reference
+        log.info("pipeline started: %s", self.describe())
+
+    def describe(self) -> str:
+        """This replica's actors by role: Ray actor id and name (``ray list actors``, the dashboard's Actors tab)."""
+        # Ray 2.60 has no public accessor for a handle's actor id
+        return "; ".join(f"{worker.role} actor {worker.handle._actor_id.hex()} "
+                         f"({actor_name(worker.role, self.generations[worker.role])})"
+                         for worker in (self.target, self.drafter))
 
     def replace_later(self, role: str) -> None:
         """Replace a dead actor in the background, once (calls meanwhile wait for the new actor)."""
@@ -103,7 +134,8 @@ class ActorPipeline:
         else:
             await worker.handle.ping.remote()
         worker.available = True
-        log.warning("the %s actor of this replica is back", role)
+        coordinator_metrics().actor_replacements.inc(tags={"role": role})
+        log.warning("the %s actor of this replica is back: %s", role, self.describe())
 
     async def check(self) -> None:
         """Replace an actor found dead; raise if a replacement itself failed (Serve then restarts us)."""

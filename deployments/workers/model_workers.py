@@ -117,6 +117,14 @@ class _Worker:
         self.model_threads.stop()
         self._publish()
 
+    def __repr__(self) -> str:
+        """What the Ray dashboard and ``ray list actors --detail`` show as the actor's ``repr_name`` (Ray takes it once,
+        when the actor has started: live counts are in ``stats`` and the metrics)."""
+        dtype = getattr(self.model.model, "dtype", None)  # a transformers model's compute dtype
+        return (f"{type(self).__name__}(model={self.model.name}, dtype={str(dtype).removeprefix('torch.')}, "
+                f"device={self.model.device}, kv_sessions={len(self.sessions)}/{self.sessions.max_sessions}, "
+                f"kv_reserved_bytes={self.model.kv_pool.reserved_bytes}, actor={self.actor_id})")
+
     def info(self) -> ModelInfo:
         return ModelInfo(self.model.name, self.model.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
                          self.model.kv_pool.bytes_per_token, self.bit_exact)
