@@ -114,8 +114,7 @@ class TestOversizedInput:
         assert len(gemma.encode_prompt(text)) * longest >= len(text)
 
     def test_a_20_mb_prompt_over_grpc_is_invalid_argument_untokenized(self, coordinator, tokenizer_calls):
-        methods = GrpcMethods()
-        methods.coordinator = coordinator
+        methods = GrpcMethods(coordinator)
         context = _Context()
         started = time.monotonic()
         answer = asyncio.run(methods.Generate(pb.GenerateRequest(prompt=HUGE, max_new_tokens=2), context))
