@@ -380,6 +380,7 @@ def test_cors_is_off_by_default_and_answers_the_configured_origins():
         api_keys = ApiKeys(["sk-right"])
         bit_exact = False  # the target's self-check, which /v1/models reports
         config = AppConfig.model_validate(SMALL_PAIR)
+        bit_exact = False  # the target's self-check, which /v1/models reports
 
     preflight = {"Origin": "https://app.example.com", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
