@@ -378,7 +378,6 @@ def test_cors_is_off_by_default_and_answers_the_configured_origins():
 
     class Keyed:  # what the middleware and the model routes ask of the coordinator
         api_keys = ApiKeys(["sk-right"])
-        bit_exact = False  # the target's self-check, which /v1/models reports
         config = AppConfig.model_validate(SMALL_PAIR)
         bit_exact = False  # the target's self-check, which /v1/models reports
 
