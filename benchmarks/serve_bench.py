@@ -165,7 +165,7 @@ class InProcess:
         import yaml
 
         from deployments.config import AppConfig
-        from deployments.coordinator import request_speculation
+        from deployments.serving.request import request_speculation
         from hetspec import Engine, SamplingParams, load_model
 
         document = yaml.safe_load(config_path.read_text())

@@ -51,8 +51,8 @@ from benchmarks import report
 from benchmarks.batch_bench import hf_batched
 from benchmarks.prompts import load_prompts
 from benchmarks.serve_bench import RequestTiming, summarize_load
-from deployments.cpu_env import cpu_env
-from deployments.local_serve import port_free
+from deployments.runtime.cpu_env import cpu_env
+from deployments.tools.local_serve import port_free
 
 REPO = Path(__file__).resolve().parent.parent
 HEALTH_TIMEOUT_S = 1200

@@ -36,7 +36,7 @@ import numpy as np
 import yaml
 
 from benchmarks import report
-from deployments.local_serve import local_serve
+from deployments.tools.local_serve import local_serve
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -505,7 +505,7 @@ def markdown(result: dict) -> str:
                                                                 for sample in summary["memory_samples"])
                               for name in summary["memory"])]
     lines += ["", "| replica | open sessions after the run | ongoing requests | replica's request outcomes | "
-              "heap trims (deployments/heap_trim.py) |", "|---|---|---|---|---|"]
+              "heap trims (deployments/runtime/heap_trim.py) |", "|---|---|---|---|---|"]
     for replica, row in summary["sessions_after"].items():
         lines.append(f"| {replica} | {row['open_sessions']} | {row['ongoing_requests']} | {row['outcomes']} | "
                      f"{row.get('heap_trims', '-')} |")

@@ -1,6 +1,7 @@
 """The Serve application: ``serve run deployments/config.yaml``, or ``serve.run(build_app(args))``.
 
-One deployment, ``HetSpecServer``: the HTTP (OpenAI) and gRPC ingress and the coordinator. Each replica
+One deployment, ``HetSpecServer``: the HTTP (OpenAI) and gRPC ingress and the coordinator, composed here
+(the composition root: the one module that imports the API, the serving loop and the actor transport). Each replica
 reserves a placement group of three bundles (itself, its drafter, its target) and starts its drafter and
 target actors in bundles 1 and 2, so autoscaling the deployment adds whole pipelines and the placement
 strategy decides whether a pipeline's models share a node. The per-token path is direct actor calls.
@@ -10,23 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
 
 import ray
 from ray import serve
 
-from deployments.actors import ActorPipeline
+from deployments.api.grpc_service import GrpcMethods
+from deployments.api.openai_api import build_openai_app
 from deployments.auth import unauthenticated_warning
 from deployments.config import SERVER_DEPLOYMENT, AppConfig, AutoscalingConfig, LimitsConfig, with_user_config
-from deployments.coordinator import Coordinator
-from deployments.grpc_service import GrpcMethods
-from deployments.openai_api import build_openai_app
+from deployments.serving.coordinator import Coordinator
+from deployments.workers.actors import ActorPipeline
 
 log = logging.getLogger("ray.serve")
 
 
-class HetSpecServer(GrpcMethods):
-    """A coordinator replica and its pipeline. ``make_pipeline`` is injected: the default starts Ray actors."""
+class HetSpecServer:
+    """A coordinator replica and its pipeline. ``make_pipeline`` is injected: the default starts Ray actors.
+    The HTTP routes reach the coordinator through Serve's replica context (deployments/api/openai_api.py), the
+    gRPC methods are forwarded to a ``GrpcMethods`` on it."""
 
     async def __init__(self, config: dict | AppConfig, make_pipeline: Callable[[AppConfig], Any] = ActorPipeline):
         config = AppConfig.model_validate(config)
@@ -35,8 +39,19 @@ class HetSpecServer(GrpcMethods):
         await self.pipeline.start()
         self.coordinator = Coordinator(config, self.pipeline.target, self.pipeline.drafter,
                                        self.pipeline.target_info, self.pipeline.drafter_info)
+        self.grpc = GrpcMethods(self.coordinator)
         if warning := unauthenticated_warning(self.coordinator.api_keys, http_host()):
             log.warning(warning)
+
+    async def Generate(self, request: Any, grpc_context=None) -> Any:  # noqa: N802 -- the proto's method name
+        """``hetspec.v1.HetSpec/Generate`` (protos/hetspec/v1/hetspec.proto)."""
+        return await self.grpc.Generate(request, grpc_context)
+
+    async def GenerateStream(self, request: Any, grpc_context=None) -> AsyncIterator[Any]:  # noqa: N802
+        """``hetspec.v1.HetSpec/GenerateStream``; closed (the client gone), it closes the request's stream at once."""
+        async with aclosing(self.grpc.GenerateStream(request, grpc_context)) as responses:
+            async for response in responses:
+                yield response
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve's ``user_config`` (deployments/config.py, UserConfig): new speculation and limits for new
@@ -52,14 +67,13 @@ class HetSpecServer(GrpcMethods):
         await self.pipeline.check()
 
     def record_routing_stats(self) -> dict[str, int]:
-        """What Serve hands our request router (deployments/routing.py) about this replica: what its admission
+        """What Serve hands our request router (deployments/serving/routing.py) about this replica: what its admission
         takes now (a user_config may have changed the limits since the deployment's options were set)."""
         return {"capacity": replica_capacity(self.coordinator.config.limits)}
 
     async def actor_nodes(self) -> dict[str, str | None]:
         """The node ids of this replica's actors (placement checks)."""
-        target, drafter = await asyncio.gather(self.pipeline.target.call("node_id"),
-                                               self.pipeline.drafter.call("node_id"))
+        target, drafter = await asyncio.gather(self.pipeline.target.node_id(), self.pipeline.drafter.node_id())
         return {"coordinator": ray.get_runtime_context().get_node_id(), "target": target, "drafter": drafter}
 
     async def actor_handles(self) -> dict[str, Any]:
@@ -88,7 +102,7 @@ def replica_capacity(limits: LimitsConfig) -> int:
 # Serve's max_ongoing_requests is the replica's capacity plus these: /health, /v1/models and /v1/stats count as
 # ongoing, and set exactly at the capacity they queued behind generations on a full replica (a stats poll then
 # held a slot a waiting request needed: tests/test_limits_serve.py). Generations are kept within the capacity
-# by our request router (deployments/routing.py), and the replica's admission answers any beyond (429).
+# by our request router (deployments/serving/routing.py), and the replica's admission answers any beyond (429).
 CONTROL_SLOTS = 8
 # How often a replica reports its capacity to the routers (Serve's default is 10 s)
 ROUTING_STATS_PERIOD_S = 5.0
@@ -104,7 +118,7 @@ def deployment_options(config: AppConfig) -> dict:
     """Serve options of the deployment.
 
     ``max_ongoing_requests`` is what the replica's admission takes (``replica_capacity``) plus ``CONTROL_SLOTS``;
-    generations go where the admission has room (``request_router_config``: deployments/routing.py);
+    generations go where the admission has room (``request_router_config``: deployments/serving/routing.py);
     Serve's ``max_queued_requests`` bounds what each proxy holds when every replica is full or still starting,
     answered 429 with Retry-After.
     """
@@ -124,7 +138,7 @@ def deployment_options(config: AppConfig) -> dict:
         "max_queued_requests": scaling.max_queued_requests,
         "backpressure_config": {"status_code": 429, "retry_after_s": limits.retry_after_s},
         "autoscaling_config": autoscaling_options(scaling),
-        "request_router_config": {"request_router_class": "deployments.routing.RoomRouter",
+        "request_router_config": {"request_router_class": "deployments.serving.routing.RoomRouter",
                                   "request_router_kwargs": {"capacity": replica_capacity(limits)},
                                   "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
         "health_check_period_s": config.lifecycle.health_check_period_s,

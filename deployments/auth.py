@@ -11,22 +11,21 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Protocol
 
 from starlette.responses import JSONResponse
 
-if TYPE_CHECKING:
-    from deployments.config import AuthConfig
+from deployments.errors import Unauthenticated
+
+
+class _KeySource(Protocol):
+    """What ``ApiKeys.from_config`` reads (``deployments.config.AuthConfig``, which imports this module)."""
+
+    def resolve_keys(self) -> list[str]: ...
+
 
 # HTTP routes open without a key: liveness probes must not need the secret.
 OPEN_HTTP_PATHS = frozenset({"/health"})
-
-
-class Unauthenticated(PermissionError):
-    """No API key, or a wrong one."""
-
-    def __reduce__(self):  # it crosses process boundaries (replica -> gRPC proxy) pickled
-        return Unauthenticated, (str(self),)
 
 
 class ApiKeys:
@@ -34,7 +33,7 @@ class ApiKeys:
         self._keys = [key.encode() for key in keys]
 
     @classmethod
-    def from_config(cls, auth: "AuthConfig") -> "ApiKeys":
+    def from_config(cls, auth: _KeySource) -> "ApiKeys":
         return cls(auth.resolve_keys())
 
     @property
@@ -112,7 +111,7 @@ class RequireApiKey:
                 presented = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
                 try:
                     self.get_api_keys().check(presented, "the header 'Authorization: Bearer <key>'")
-                except Unauthenticated as error:  # OpenAI's error body (deployments/openai_protocol.py)
+                except Unauthenticated as error:  # OpenAI's error body (deployments/api/openai_protocol.py)
                     body = {"error": {"message": str(error), "type": "invalid_request_error", "param": None,
                                       "code": "invalid_api_key"}}
                     response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})

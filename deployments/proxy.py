@@ -1,10 +1,10 @@
 """Serve's HTTP proxy, before any routing: a request without a right API key is refused where it costs nothing.
 
 Checked in the replica only (deployments/auth.py ``RequireApiKey``), a keyless request was counted as load by
-the request router (deployments/routing.py) and took one of Serve's slots before its 401: 96 concurrent keyless
+the request router (deployments/serving/routing.py) and took one of Serve's slots before its 401: 96 concurrent keyless
 POSTs made every authenticated request meanwhile a 429. Serve runs ``proxy_middlewares`` in each HTTP proxy when
 the Ray processes' environment has ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=deployments.proxy:proxy_middlewares``
-(deployments/local_serve.py sets it; docs/deploy.md for a cluster); the proxy wraps its whole ASGI app in them,
+(deployments/tools/local_serve.py sets it; docs/deploy.md for a cluster); the proxy wraps its whole ASGI app in them,
 so the check runs before routing. The keys are the proxy process's ``$HETSPEC_API_KEY`` (auth.api_key_env's
 default): with none there, the proxy checks nothing and the replicas alone answer 401, as before. The replica
 still checks every request, so a proxy without the variable set is no hole, only a cost.

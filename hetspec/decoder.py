@@ -1,12 +1,7 @@
-"""The decode loop, once: a step over a batch of requests (continuous batching), every algorithm.
-
-A step: every running request that drafts gets its draft length; the drafter drafts for all of them in
-lockstep, one batched pass per draft position (``hetspec.kv.run_lockstep``); each draft is aligned to target
-ids (string level, per request); one batched target pass verifies every request's candidates (ragged lengths,
-chains and trees), a joining request's prompt chunk riding along (packed: it widens no other row); each request
-commits its accepted tokens and releases text through its ``OutputText``. Requests join and leave at any
-step boundary. ``Engine`` runs it in process (one request is a batch of one); the server's workers run
-``Request``'s steps too (deployments/).
+"""One request's part of the decode step, every algorithm: its progress between steps (``Progress``: draft
+length, context lookup, commit), its target side (``TargetSide``: KV session, verification) and, in this process,
+both together with its drafter side (``Request``). The step over a batch of them is hetspec/step.py; the server's
+workers run ``Request``'s parts too (deployments/).
 
 Every request's random numbers are keyed by its own seed and output position (``hetspec.sampling``), and
 its verification reads only its own row's logits, so batching changes which requests share a pass, never a
@@ -22,11 +17,12 @@ from typing import Sequence
 
 import torch
 
-from hetspec.adaptive import LoadAdaptive
 from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.align import ends_at_character
-from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
-from hetspec.kv import Feed, Steps, prefill, run_lockstep
+from hetspec.config import SamplingParams, SpeculationConfig
+from hetspec.kv import Feed
+from hetspec.passes import Steps
+from hetspec.prefill import prefill
 from hetspec.lookup import ContextLookup, prompt_text
 from hetspec.models import LanguageModel
 from hetspec.output import DraftLength, OutputText, Stats, StreamEvent, TokenLogprob, token_logprobs
@@ -99,7 +95,7 @@ class TargetSide:
 
 class Progress:
     """A request's bookkeeping between steps, wherever its passes run: this process (``Request``) or the
-    server's workers (deployments/pipeline.py). Draft length, draft rounds, statistics, output text."""
+    server's workers (deployments/serving/pipeline.py). Draft length, draft rounds, statistics, output text."""
 
     def __init__(self, target: LanguageModel, params: SamplingParams, speculation: SpeculationConfig,
                  stats: Stats, prompt_ids: Sequence[int] = ()):
@@ -239,109 +235,3 @@ class Request(Progress):
         self.target.release()
         if self.drafter is not None:
             self.drafter.release()
-
-
-class BatchDecoder:
-    """Runs steps over the requests added to it; a request leaves when it finishes or is cancelled."""
-
-    def __init__(self, target: LanguageModel, drafter: LanguageModel | None = None,
-                 batching: BatchingConfig | None = None, load_adaptive: bool = False):
-        self.target = target
-        self.drafter = drafter
-        self.batching = batching or BatchingConfig()
-        self.adaptive = LoadAdaptive() if load_adaptive else None
-        self.joining: list[Request] = []
-        self.running: list[Request] = []
-
-    def __len__(self) -> int:
-        return len(self.joining) + len(self.running)
-
-    def add(self, request: Request) -> None:
-        if len(self) >= self.batching.max_batch_size:
-            raise RuntimeError(f"the batch is full ({self.batching.max_batch_size} requests)")
-        self.joining.append(request)
-
-    def cancel(self, request: Request) -> None:
-        """Leave now: the request's rows of both KV caches are freed at once."""
-        for group in (self.joining, self.running):
-            if request in group:
-                group.remove(request)
-        request.release()
-
-    def step(self) -> list[tuple[Request, StreamEvent]]:
-        """One step for every request; returns the events of the requests that released something or finished."""
-        if not self.running:  # nobody decoding: the joining requests start at once (their first pass feeds the prompt)
-            self.running, self.joining = self.joining, []
-        if not self.running:
-            return []
-        started = time.perf_counter()
-        target_chunks, drafter_chunks = self._prompt_chunks()
-        running = list(self.running)
-        # the requests whose prompts are being fed count as rows (None: they run within a few steps): the cap is
-        # chosen at the load the batch has (served, the first rows to step drafted at their own few while the
-        # others' prompts waited: docs/decisions/load-adaptive-draft-length.md)
-        cap = self.adaptive.choose({**dict.fromkeys(self.joining), **{
-            request: request.draft_length(request.drafter is not None) for request in running}}) \
-            if self.adaptive else None
-        # a request that started at once feeds its prompt in its first step's passes: that step prices the prompt,
-        # not k (priced, a first step of 1.5 s for "1 token" held a lone request at k = 0 for 20 of its 44 steps)
-        priced = cap is not None and not (target_chunks or drafter_chunks) and all(
-            request.prefilled for request in running)
-        lookups = [request.lookup_draft(request.target.ids, request.drafter is not None) for request in running]
-        # a request with a lookup draft asks nothing of the drafter this step
-        lengths = [0 if lookup else request.draft_length(request.drafter is not None, cap)
-                   for request, lookup in zip(running, lookups)]
-        drafting = [index for index, k in enumerate(lengths) if k > 0]
-        drafts = [lookup or Draft() for lookup in lookups]
-        tick = time.perf_counter()
-        if drafting or drafter_chunks:
-            made = run_lockstep(self.drafter, [running[index].draft(lengths[index]) for index in drafting]
-                                + drafter_chunks)
-            for index, draft in zip(drafting, made):
-                drafts[index] = draft
-        drafter_seconds = time.perf_counter() - tick
-        tick = time.perf_counter()
-        # the joining prompts' chunks ride the verification pass, packed (hetspec/layouts.py): they widen no row
-        committed = run_lockstep(self.target, [request.verify(draft) for request, draft in zip(running, drafts)]
-                                 + target_chunks)[:len(running)]
-        target_seconds = time.perf_counter() - tick
-        events = []
-        for index, (request, draft, new_ids) in enumerate(zip(running, drafts, committed)):
-            request.stats.drafter_seconds += drafter_seconds if index in drafting else 0.0
-            request.stats.target_seconds += target_seconds
-            request.stats.batch_rows += len(running)
-            request.stats.chosen_draft_tokens += draft.proposed_len if draft.point_mass else lengths[index]
-            event = request.commit(draft.proposed_len, new_ids, request.target.step_logprobs, draft.source)
-            if event.token_ids or event.text or event.finish_reason:
-                events.append((request, event))
-            if request.finished:
-                self.running.remove(request)
-                request.release()
-        if cap is not None:
-            self.adaptive.record(cap, {request: len(new_ids) for request, new_ids in zip(running, committed)},
-                                 time.perf_counter() - started, priced)
-        return events
-
-    def _prompt_chunks(self) -> tuple[list[Steps], list[Steps]]:
-        """(target, drafter) computations feeding the joining requests' next prompt chunks, within
-        ``prefill_chunk_tokens`` together, so a long prompt does not stall the others' decoding; the requests
-        whose prompts are then in their caches decode from the next step on."""
-        budget = self.batching.prefill_chunk_tokens
-        target_chunks, drafter_chunks = [], []
-        for request in list(self.joining):
-            if request.prefilled:
-                self.joining.remove(request)
-                self.running.append(request)
-                continue
-            if budget <= 0:
-                continue
-            targets, drafters, used = request.prefill_feeds(budget)
-            target_chunks += [_fed(feed) for feed in targets]
-            drafter_chunks += [_fed(feed) for feed in drafters]
-            budget -= used
-        return target_chunks, drafter_chunks
-
-
-def _fed(feed: Feed) -> Steps:
-    """A computation of one pass: the feed (a prompt's chunk, its logits unused)."""
-    yield feed

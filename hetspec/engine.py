@@ -1,6 +1,6 @@
 """The in-process API: ``stream`` and ``generate`` one request, ``generate_batch`` many (continuous batching).
 
-All three drive the one decode step, ``hetspec.decoder.BatchDecoder`` (one request is a batch of one).
+All three drive the one decode step, ``hetspec.step.BatchDecoder`` (one request is a batch of one).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Iterator, Sequence
 
 from hetspec.algorithms import PairMaps, resolve_name
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
-from hetspec.decoder import BatchDecoder, Request
+from hetspec.decoder import Request
+from hetspec.step import BatchDecoder
 from hetspec.models import LanguageModel
 from hetspec.output import GenerationResult, ResultBuilder, StreamEvent
 

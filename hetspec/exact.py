@@ -171,7 +171,8 @@ def compare_layouts(language_model, length: int = 10) -> dict[str, bool]:
     (the reference, and the cache every other layout starts from); then the layouts: a prompt in two chunks, a
     lone row's draft of 3, a padded and a packed pass of that draft beside a row fed 1 token, a tree of 4 nodes
     (two branches) whose path nodes are checked. Uses and frees a few rows of the model's KV pool."""
-    from hetspec.kv import Feed, forward  # hetspec.kv imports nothing of this module; loaded lazily all the same
+    from hetspec.forward import forward  # neither imports this module; loaded lazily all the same
+    from hetspec.kv import Feed
 
     vocab = language_model.vocab_size
     ids = [(7919 * (index + 1)) % (vocab - 2) + 1 for index in range(length)]

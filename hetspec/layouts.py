@@ -9,7 +9,7 @@ Packed (``packed``): every feed one after another in a batch of one, no padding;
 only real tokens. Attention reads the rows' used slots through a gather (one copy of them per layer) under
 a block mask, so a query sees its own row's keys only. What vLLM and transformers' continuous batching do
 with varlen attention kernels; here the keys stay in the pool's rows (hetspec/kv.py), so rollback is
-still a change of length. ``hetspec.kv.forward`` picks the layout by how much padding the feeds need.
+still a change of length. ``hetspec.forward.forward`` picks the layout by how much padding the feeds need.
 
 A layout returns the model's inputs as plain tensors: ``visible`` [batch, queries, keys] (which key a query
 sees, before the sliding window), the query and key positions, the cache the pass writes through, and

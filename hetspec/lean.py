@@ -104,7 +104,7 @@ def _norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class LeanDecoder(torch.nn.Module):
-    """The model's forward over a pass of hetspec's KV pool (``hetspec.kv.forward`` calls it).
+    """The model's forward over a pass of hetspec's KV pool (``hetspec.forward.forward`` calls it).
 
     A module so that forward hooks on it see every pass, as they see the transformers model's."""
 

@@ -3,7 +3,7 @@
 ``load_model`` accepts a built-in short name (see ``registry``), a ``.gguf`` file, a local model
 folder or a Hugging Face model id. Each model's requests share one batched KV cache (``hetspec.kv``):
 ``new_session`` gives a request its row; ``extend`` feeds new tokens and returns their logits,
-``rollback`` cuts the cache back to any earlier length, ``hetspec.kv.forward`` feeds many rows at once.
+``rollback`` cuts the cache back to any earlier length, ``hetspec.forward.forward`` feeds many rows at once.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from hetspec import exact, registry
 from hetspec.config import require_unicode
 from hetspec.int8 import quantize_weights
+from hetspec.forward import forward
 from hetspec.kv import KVPool, KVSession
 from hetspec.lean import FORWARDS, LeanDecoder, uses_lean
 from hetspec.linear import convert_linear_layers, slow_dtype_warning, uses_onednn
@@ -53,7 +54,7 @@ class LanguageModel:
         return f"LanguageModel({self.name!r}, vocab_size={self.vocab_size}, device={self.device})"
 
     def new_session(self) -> KVSession:
-        return KVSession(self)
+        return KVSession(self.kv_pool, partial(forward, self))
 
     @cached_property
     def kv_pool(self) -> KVPool:

@@ -1,6 +1,6 @@
 """A screenshot of the Ray dashboard's Actors tab with two replicas of the small pair (docs/operations.md).
 
-Serves deployments/config.small.yaml with two replicas on a private Ray instance (deployments/local_serve.py; one
+Serves deployments/config.small.yaml with two replicas on a private Ray instance (deployments/tools/local_serve.py; one
 simulated node with 4 CPUs, so both pipelines fit a small machine), lists the named actors and their reprs
 (Ray's state API, as ``ray list actors --detail``), then loads the dashboard's Actors tab in headless Chromium
 (Debian's ``chromium``) and saves the page.
@@ -23,7 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from deployments.local_serve import free_port, local_serve  # noqa: E402
+from deployments.tools.local_serve import free_port, local_serve  # noqa: E402
 
 
 def main() -> int:

@@ -63,7 +63,7 @@ SERVE_PID=$!
 
 echo "== waiting up to ${HEALTH_TIMEOUT_S}s for $HTTP_URL/health"
 deadline=$((SECONDS + HEALTH_TIMEOUT_S))
-until python deployments/client.py wait --url "$HTTP_URL" --timeout 10 >/dev/null 2>&1; do
+until python deployments/tools/client.py wait --url "$HTTP_URL" --timeout 10 >/dev/null 2>&1; do
   if ! kill -0 "$SERVE_PID" 2>/dev/null; then
     tail -n 40 "$SERVE_LOG" >&2
     fail "serve run exited before the app became healthy (log above, full log: $SERVE_LOG)"
@@ -76,11 +76,11 @@ done
 echo "healthy"
 
 echo "== gRPC request ($GRPC_TARGET, hetspec.v1.HetSpec/Generate)"
-python deployments/client.py grpc --target "$GRPC_TARGET" --prompt "$PROMPT" --max-new-tokens 64 \
+python deployments/tools/client.py grpc --target "$GRPC_TARGET" --prompt "$PROMPT" --max-new-tokens 64 \
   --timeout "$REQUEST_TIMEOUT_S" || fail "the gRPC request failed"
 
 echo "== HTTP request ($HTTP_URL/v1/completions, OpenAI client, streamed)"
-python deployments/client.py http --url "$HTTP_URL" --prompt "$PROMPT" --max-new-tokens 64 --stream \
+python deployments/tools/client.py http --url "$HTTP_URL" --prompt "$PROMPT" --max-new-tokens 64 --stream \
   --timeout "$REQUEST_TIMEOUT_S" || fail "the HTTP request failed"
 
 echo "== done"

@@ -23,7 +23,7 @@ def smollm():
 @pytest.fixture
 def exit_stack():
     """Context managers a test enters, exited after it: in-process workers and model threads shut down, so their
-    threads (and OpenMP teams) do not outlive the test (deployments/model_threads.py says why that matters)."""
+    threads (and OpenMP teams) do not outlive the test (deployments/runtime/model_threads.py says why that matters)."""
     with ExitStack() as stack:
         yield stack
 

@@ -3,7 +3,7 @@
 Imported by tests/test_serve.py, tests/test_limits_serve.py and others (``from serve_fixtures import ...``). One
 app serves every test of a module so the two models load once: the coordinator, drafter and target bundles are STRICT_SPREAD over
 three nodes (custom resources name them), which is also what the placement test checks. The private Ray
-instance itself is deployments/local_serve.py's, shared with tests/test_multinode.py and benchmarks/soak.py.
+instance itself is deployments/tools/local_serve.py's, shared with tests/test_multinode.py and benchmarks/soak.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.local_serve import local_serve
+from deployments.tools.local_serve import local_serve
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_CONFIG = REPO / "deployments" / "config.small.yaml"
@@ -39,9 +39,9 @@ def in_process_coordinator(target, drafter, **overrides):
     the config.small.yaml args with ``overrides`` (as ``small_app_args``) and the given models; the workers shut
     down on exit (the ``exit_stack`` fixture of tests/conftest.py enters it for a test)."""
     from deployments.config import AppConfig
-    from deployments.coordinator import Coordinator
-    from deployments.pipeline import LocalWorker
-    from deployments.workers import DrafterWorker, TargetWorker
+    from deployments.serving.coordinator import Coordinator
+    from deployments.workers.clients import LocalWorker
+    from deployments.workers.model_workers import DrafterWorker, TargetWorker
 
     config = AppConfig.model_validate(small_app_args(**overrides))
     with (TargetWorker(target, config.pipeline) as target_worker,

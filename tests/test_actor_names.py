@@ -10,7 +10,7 @@ from serve_fixtures import in_process_coordinator
 
 
 def test_a_model_actor_is_unnamed_outside_a_serve_replica():
-    from deployments.actors import actor_name
+    from deployments.workers.actors import actor_name
 
     assert actor_name("drafter") is None and actor_name("target", 2) is None
 

@@ -6,7 +6,7 @@
    KV sessions are gone. The timeline (``-s``) says when each step happened; nothing asserts on timing.
 2. Routing that uses the capacity there is: two replicas, as many closed-loop clients as both admit together
    (HTTP and gRPC), and not one 429 (the request router sends a generation where the admission has room:
-   deployments/routing.py).
+   deployments/serving/routing.py).
 3. A target killed on one of two pipelines while both decode batches: that pipeline's requests end with an
    error naming the target, the other pipeline's finish with the library's tokens, and once the target is
    replaced every request is right again.
@@ -30,7 +30,7 @@ import httpx
 import pytest
 import yaml
 
-from deployments.local_serve import local_serve, wait_until_running
+from deployments.tools.local_serve import local_serve, wait_until_running
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
@@ -310,7 +310,7 @@ def test_load_adds_a_pipeline_that_serves_and_its_end_removes_it_with_every_answ
 
 def test_two_pipelines_at_their_capacity_never_answer_429(two_pipelines_app, reference):
     # each replica admits 3 (2 running + 1 waiting): 6 clients fill both exactly, so one request sent to a
-    # replica without room is a 429. Before deployments/routing.py, Serve's router (which sees each replica's
+    # replica without room is a 429. Before deployments/serving/routing.py, Serve's router (which sees each replica's
     # ongoing requests against max_ongoing_requests, the capacity plus app.CONTROL_SLOTS) sent a 4th request to
     # a full replica once in 20 with 5 clients.
     with ClosedLoop(two_pipelines_app, clients=6, requests_each=5, grpc_clients=3) as load:

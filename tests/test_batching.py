@@ -1,4 +1,4 @@
-"""Batched decoding (hetspec/decoder.py, hetspec/kv.py) is exact: every request of a batch gets the tokens the
+"""Batched decoding (hetspec/step.py, hetspec/kv.py) is exact: every request of a batch gets the tokens the
 target alone gives it at batch size 1.
 
 Greedy in float32 on the real pair (Gemma 3 270M target, SmolLM2 135M drafter): batches that mix prompt
@@ -21,8 +21,11 @@ from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.adaptive import (BUDGET_WINDOW_S, DRAFT_MARGIN, EXPLORE, EXPLORE_BUDGET, EXPLORE_MAX, HOPELESS_BUDGET,
                               MIN_STEPS, OWN_PRIOR_STEPS, PRIOR_ROWS, PRIOR_TOKENS, SECONDS_KEPT, LoadAdaptive)
 from hetspec.config import BatchingConfig
-from hetspec.decoder import BatchDecoder
-from hetspec.kv import Feed, SharedPasses, Steps, forward, prefill, run_alone, run_lockstep
+from hetspec.step import BatchDecoder
+from hetspec.forward import forward
+from hetspec.kv import Feed
+from hetspec.passes import SharedPasses, Steps, run_alone, run_lockstep
+from hetspec.prefill import prefill
 
 TIE_MARGIN = 1e-4
 
@@ -534,8 +537,8 @@ def test_a_request_opening_as_the_last_one_closes_keeps_its_rows_buffers():
 
 
 def test_shared_passes_batch_calls_from_many_threads_and_equal_each_alone():
-    """What a served worker does (deployments/workers.py): calls from many threads share passes, joining at the
-    next pass; each gets what it gets alone; a long prompt's chunks join the others' passes, one chunk a pass
+    """What a served worker does (deployments/workers/model_workers.py): calls from many threads share passes, joining
+    at the next pass; each gets what it gets alone; a long prompt's chunks join the others' passes, one chunk a pass
     (packed); one failing computation fails alone."""
     model = language_model("target", target_tokenizer(), seed=0)
     prompts = [[index % 4] * (3 + 7 * index) for index in range(10)]  # 3 to 66 tokens: some above LONG_ABOVE_TOKENS

@@ -585,7 +585,7 @@ def test_serve_scaling_will_not_measure_a_server_it_did_not_start():
     """A port something listens on is found taken (a server left running would answer the health check)."""
     import socket
 
-    from deployments.local_serve import port_free
+    from deployments.tools.local_serve import port_free
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -316,7 +316,7 @@ def test_cpu_manifest_runs_one_pipeline_offline_on_its_worker():
 @pytest.mark.parametrize("pod", ["head", "worker"])
 def test_both_pods_of_the_cpu_manifest_carry_deployments_cpu_env(pod):
     """The head runs Serve's controller and proxy, the worker the replicas: both read the file's variables."""
-    from deployments.cpu_env import cpu_env
+    from deployments.runtime.cpu_env import cpu_env
 
     cluster = _rayservice("rayservice.cpu.yaml")["spec"]["rayClusterConfig"]
     group = cluster["headGroupSpec"] if pod == "head" else cluster["workerGroupSpecs"][0]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from deployments.cpu_env import CPU_ENV_FILE, cpu_env
+from deployments.runtime.cpu_env import CPU_ENV_FILE, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 # each variable -> the Ray Serve constant it sets (ray/serve/_private/constants.py of the pinned Ray)

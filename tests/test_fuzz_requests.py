@@ -22,12 +22,14 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from deployments.config import AppConfig
-from deployments.coordinator import Coordinator, InvalidRequest
-from deployments.grpc_service import FIELD_NAMES as GRPC_FIELD_NAMES
-from deployments.grpc_service import to_generation
-from deployments.openai_api import _prepare, build_openai_app
-from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, request_error
-from deployments.workers import ModelInfo
+from deployments.serving.coordinator import Coordinator
+from deployments.errors import InvalidRequest
+from deployments.api.grpc_service import FIELD_NAMES as GRPC_FIELD_NAMES
+from deployments.api.grpc_service import to_generation
+from deployments.api.openai_api import _prepare, build_openai_app
+from deployments.api.openai_protocol import ChatCompletionRequest, CompletionRequest, request_error
+from deployments.api.openai_responses import ErrorResponse
+from deployments.workers.api import ModelInfo
 from hetspec import Engine, SamplingParams, SpeculationConfig, cli
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from fuzz_strategies import GRPC_REQUESTS, JSONISH, TEXT

@@ -1,11 +1,11 @@
-"""deployments/heap_trim.py: malloc_trim gives a fragmented heap's free pages back (glibc on Linux)."""
+"""deployments/runtime/heap_trim.py: malloc_trim gives a fragmented heap's free pages back (glibc on Linux)."""
 
 import ctypes
 import platform
 
 import pytest
 
-from deployments.heap_trim import HeapTrimmer, resident_bytes
+from deployments.runtime.heap_trim import HeapTrimmer, resident_bytes
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 

@@ -16,10 +16,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.config import AppConfig
-from deployments.coordinator import Coordinator, GenerationRequest, InvalidRequest
-from deployments.grpc_service import GrpcMethods
-from deployments.openai_api import build_openai_app
-from deployments.workers import ModelInfo
+from deployments.serving.coordinator import Coordinator, GenerationRequest, InvalidRequest
+from deployments.api.grpc_service import GrpcMethods
+from deployments.api.openai_api import build_openai_app
+from deployments.workers.api import ModelInfo
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.models import LanguageModel
 from protos.hetspec.v1 import hetspec_pb2 as pb
@@ -114,8 +114,7 @@ class TestOversizedInput:
         assert len(gemma.encode_prompt(text)) * longest >= len(text)
 
     def test_a_20_mb_prompt_over_grpc_is_invalid_argument_untokenized(self, coordinator, tokenizer_calls):
-        methods = GrpcMethods()
-        methods.coordinator = coordinator
+        methods = GrpcMethods(coordinator)
         context = _Context()
         started = time.monotonic()
         answer = asyncio.run(methods.Generate(pb.GenerateRequest(prompt=HUGE, max_new_tokens=2), context))
@@ -189,8 +188,7 @@ class _Pinging:
     def __init__(self):
         self.pings = 0
 
-    async def call(self, method: str):
-        assert method == "ping"
+    async def ping(self):
         self.pings += 1
         await asyncio.sleep(0.05)
 
@@ -215,7 +213,7 @@ def test_two_runs_with_one_client_request_id_keep_their_own_sessions(gemma, smol
     assert prepared[0].session_id != prepared[1].session_id
     opened: list[str] = []
     real_open = target_worker.open
-    target_worker.open = lambda session_id, *args: (opened.append(session_id), real_open(session_id, *args))[1]
+    target_worker.open = lambda session: (opened.append(session.request_id), real_open(session))[1]
 
     async def tokens(run) -> list[int]:
         return [token for event in [event async for event in coordinator.run(run, "test")] for token in event.token_ids]
@@ -297,7 +295,7 @@ def test_a_drafter_session_swept_mid_request_goes_on_target_only(gemma, smollm, 
 
 
 def test_a_close_that_comes_before_its_open_frees_the_session_at_the_open():
-    from deployments.sessions import Sessions, UnknownSession
+    from deployments.workers.sessions import Sessions, UnknownSession
 
     released: list[str] = []
     sessions = Sessions(max_sessions=4, idle_timeout_s=60.0, release=released.append)
@@ -310,7 +308,7 @@ def test_a_close_that_comes_before_its_open_frees_the_session_at_the_open():
 
 
 def test_an_early_close_is_forgotten_after_the_idle_timeout():
-    from deployments.sessions import Sessions
+    from deployments.workers.sessions import Sessions
 
     sessions = Sessions(max_sessions=4, idle_timeout_s=0.01, release=lambda session: None)
     sessions.close("s-1")

@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from hetspec import Engine, SamplingParams, SpeculationConfig, kv, load_model
 from hetspec.exact import compare_layouts, make_exact
 from hetspec.int8 import Int8WeightLinear, quantize_weights
-from hetspec.kv import Feed, KVSession, forward
+from hetspec.forward import forward
+from hetspec.kv import Feed
 from hetspec.lean import LeanDecoder, uses_lean
 from hetspec.models import LanguageModel
 
@@ -30,7 +31,7 @@ def _passes(model: LanguageModel) -> list[torch.Tensor]:
     """Logits of every kind of pass: prefills, a padded batch, a packed batch with a prompt chunk, a tree, and
     a request alone decoding one token (the pass without a mask)."""
     ids = [(7 * index) % 300 for index in range(60)]
-    first, second, third = KVSession(model), KVSession(model), KVSession(model)
+    first, second, third = model.new_session(), model.new_session(), model.new_session()
     try:
         logits = [first.extend(ids[:40], 2), second.extend(ids[:25], 3)]
         logits += forward(model, [Feed(first, ids[40:41]), Feed(second, ids[25:29], 4)], packed=False)

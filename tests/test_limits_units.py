@@ -10,9 +10,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from deployments.admission import Admission, Overloaded, RequestTimeout
+from deployments.serving.admission import Admission
 from deployments.app import CONTROL_SLOTS, deployment_options
-from deployments.auth import ApiKeys, Unauthenticated, bearer_token, grpc_api_key
+from deployments.auth import ApiKeys, bearer_token, grpc_api_key
+from deployments.errors import Overloaded, RequestTimeout, Unauthenticated
 from deployments.config import AppConfig, AuthConfig, InvalidUserConfig, with_user_config
 from deployments.auth import RequireApiKey
 
@@ -373,7 +374,7 @@ def test_http_middleware_protects_every_route_but_health():
 
 def test_cors_is_off_by_default_and_answers_the_configured_origins():
     from deployments.config import CorsConfig
-    from deployments.openai_api import build_openai_app
+    from deployments.api.openai_api import build_openai_app
 
     class Keyed:  # what the middleware and the model routes ask of the coordinator
         api_keys = ApiKeys(["sk-right"])

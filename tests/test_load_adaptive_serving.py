@@ -1,4 +1,4 @@
-"""The load-adaptive draft length in the server (deployments/load_adaptive.py): measured from the batched calls,
+"""The load-adaptive draft length in the server (deployments/serving/load_adaptive.py): measured from the batched calls,
 chosen over the replica's running requests, and lossless (a coordinator on real workers in this process)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import Draft
 
-from deployments.load_adaptive import ReplicaLoadAdaptive
-from deployments.workers import VerifyResult
+from deployments.serving.load_adaptive import ReplicaLoadAdaptive
+from deployments.serving.pipeline import Phase
+from deployments.workers.api import Drafted, DraftItem, OpenSession, VerifyItem, VerifyResult
 from serve_fixtures import in_process_coordinator, small_app_args
 
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUNT(*) FROM users WHERE",
@@ -53,7 +54,7 @@ def test_rounds_are_measured_whole_and_a_round_that_fed_a_prompt_is_left_out():
         """Each request asks for the cap, its calls come back, it commits ``committed`` tokens; ``seconds`` pass."""
         caps = {adaptive.cap(request) for request in requests}
         assert len(caps) == 1, "one cap for the round of four requests, as one step in process"
-        adaptive.on_batch("verify_many", [("x", Draft())] * len(outcomes), list(outcomes))
+        adaptive.on_batch(Phase.VERIFY, [VerifyItem("x", Draft())] * len(outcomes), list(outcomes))
         for request in requests:
             request.position += committed
         clock.now += seconds
@@ -66,7 +67,7 @@ def test_rounds_are_measured_whole_and_a_round_that_fed_a_prompt_is_left_out():
     assert adaptive.policy.seconds == {(4, first > 0): deque([0.9])}
     assert list(adaptive.policy.committed[first > 0]) == [(12, 4)]
     round_of(0.5, 1, (VerifyResult([1], fed_prompt=True),))  # a pass of the round fed a prompt's chunk
-    round_of(0.5, 1, (7,))  # an item fed a chunk of its prompt: 7 prompt tokens left
+    round_of(0.5, 1, (VerifyResult([], prompt_left=7),))  # an item fed a chunk of its prompt: 7 tokens left
     round_of(0.5, 1, (RuntimeError("failed"),))
     round_of(0.5, 1)  # its requests' asking closes the round before: 3 of 5 measured, 2 left out
     assert sum(map(len, adaptive.policy.seconds.values())) == 3
@@ -93,7 +94,7 @@ def test_a_round_left_out_of_the_measure_still_counts_its_requests_acceptance():
     caps = []
     for _ in range(5):
         caps.append(adaptive.cap(request))
-        adaptive.on_batch("draft_many", [("x",)], [Draft(fed_prompt=True)])
+        adaptive.on_batch(Phase.DRAFT, [DraftItem("x", b"", 4, 0, 0)], [Drafted(Draft(), fed_prompt=True)])
         request.position += 3 if caps[-1] else 1
         clock.now += 0.4
     assert adaptive.policy.seconds == {} and set(caps) == {0, 5}
@@ -119,7 +120,7 @@ def _served(exit_stack, gemma, smollm, **pipeline):
 
 @pytest.mark.parametrize("one_model_at_a_time", [False, True])
 def test_served_requests_with_load_adaptive_equal_the_target_alone(exit_stack, gemma, smollm, one_model_at_a_time):
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm,
                                                          one_model_at_a_time=one_model_at_a_time)
@@ -157,17 +158,17 @@ def test_the_target_worker_says_when_a_pass_fed_a_prompt_chunk(exit_stack, gemma
     """A step whose passes fed a prompt's chunk prices the prompt: the verify call after such a pass says so (the
     prefill at open here), the next one does not."""
     from deployments.config import AppConfig
-    from deployments.workers import TargetWorker
+    from deployments.workers.model_workers import TargetWorker
 
     config = AppConfig.model_validate(small_app_args())
     worker = exit_stack.enter_context(TargetWorker(gemma, config.pipeline))
     prompt_ids = gemma.encode_prompt("def fibonacci(n):\n    " * 12)  # a chunk above 32 tokens: a prompt's chunk
     assert len(prompt_ids) > 40
-    worker.open("a", prompt_ids, "slem", SpeculationConfig(), SamplingParams(max_new_tokens=4))
+    worker.open(OpenSession("a", prompt_ids, "slem", SpeculationConfig(), SamplingParams(max_new_tokens=4)))
     try:
-        [first] = worker.verify_many([("a", Draft(candidates=[5, 6]))])
+        [first] = worker.verify([VerifyItem("a", Draft(candidates=[5, 6]))])
         assert first.fed_prompt
-        [second] = worker.verify_many([("a", Draft())])
+        [second] = worker.verify([VerifyItem("a", Draft())])
         assert not second.fed_prompt
     finally:
         worker.close("a")
@@ -178,7 +179,7 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(exit_sta
     pipelined request drafts nothing ahead (the next step would drop it); a request in step (not pipelined) always
     leaves the drafter's prefill to its first draft; the first draft prefills the prompt in chunks. The output
     stays the target's."""
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm, pipelined=True,
                                                          prefill_chunk_tokens=16)
@@ -220,13 +221,14 @@ def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one
         in_process_coordinator(gemma, smollm, pipeline={"prefill_chunk_tokens": 16}))
     prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 2)
     speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
-    worker.open("eager", prompt_ids, "slem", speculation, params)
+    worker.open(OpenSession("eager", prompt_ids, "slem", speculation, params))
     opened = worker.passes.passes
     assert opened == -(-(len(prompt_ids) - 1) // 16)  # the prompt but its last token, 16 at a time
-    worker.open("lazy", prompt_ids, "slem", speculation, params, False)
+    worker.open(OpenSession("lazy", prompt_ids, "slem", speculation, params, False))
     assert worker.passes.passes == opened
     try:
-        eager, lazy = worker.draft_many([("eager", b"", 4, 0, 0), ("lazy", b"", 4, 0, 0)])
+        eager, lazy = worker.draft([DraftItem("eager", b"", 4, 0, 0), DraftItem("lazy", b"", 4, 0, 0)])
+        eager, lazy = eager.draft, lazy.draft
         assert (lazy.candidates, lazy.text) == (eager.candidates, eager.text) and eager.text
     finally:
         worker.close("eager"), worker.close("lazy")
@@ -234,30 +236,30 @@ def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one
 
 def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_the_others_verify_pass(exit_stack, gemma):
     """In step the coordinator opens the target's session without its prompt and sends a chunk per verify call
-    (deployments/pipeline.py DecodeLoop): each chunk shares the pass of the others' verifications, and the session
-    then verifies what a session prefilled at open does."""
+    (deployments/serving/pipeline.py DecodeLoop): each chunk shares the pass of the others' verifications, and the
+    session then verifies what a session prefilled at open does."""
     from deployments.config import AppConfig
-    from deployments.workers import TargetWorker
+    from deployments.workers.model_workers import TargetWorker
 
     config = AppConfig.model_validate(small_app_args(pipeline={"prefill_chunk_tokens": 16}))
     worker = exit_stack.enter_context(TargetWorker(gemma, config.pipeline))
     prompt_ids = gemma.encode_prompt("def fibonacci(n):\n    " * 4)
     params = SamplingParams(max_new_tokens=4)
-    worker.open("eager", prompt_ids, "slem", SpeculationConfig(), params)
-    worker.open("lazy", prompt_ids, "slem", SpeculationConfig(), params, False)
+    worker.open(OpenSession("eager", prompt_ids, "slem", SpeculationConfig(), params))
+    worker.open(OpenSession("lazy", prompt_ids, "slem", SpeculationConfig(), params, False))
     try:
         chunks, left, committed = 0, len(prompt_ids) - 1, []
         while left:
             passes = worker.passes.passes
-            eager, left_now = worker.verify_many([("eager", Draft()), ("lazy", None)])
+            eager, left_now = worker.verify([VerifyItem("eager", Draft()), VerifyItem("lazy", None)])
             assert worker.passes.passes == passes + 1, "the chunk rode in the eager session's verify pass"
-            assert isinstance(eager, VerifyResult) and left_now == max(left - 16, 0)
-            chunks, left, committed = chunks + 1, left_now, committed + eager.new_ids
+            assert isinstance(eager, VerifyResult) and left_now.prompt_left == max(left - 16, 0)
+            chunks, left, committed = chunks + 1, left_now.prompt_left, committed + eager.new_ids
         assert chunks == -(-(len(prompt_ids) - 1) // 16)
         # the eager session committed `chunks` ids meanwhile: the lazy one now verifies them as a draft
-        [lazy] = worker.verify_many([("lazy", Draft(candidates=committed))])
+        [lazy] = worker.verify([VerifyItem("lazy", Draft(candidates=committed))])
         assert lazy.new_ids[:-1] == committed
-        [eager] = worker.verify_many([("eager", Draft())])
+        [eager] = worker.verify([VerifyItem("eager", Draft())])
         assert lazy.new_ids[-1] == eager.new_ids[0]
     finally:
         worker.close("eager"), worker.close("lazy")
@@ -270,11 +272,11 @@ def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(exit_stack, ge
     prompt_ids = smollm.encode_prompt("class Stack:\n    def push(self, item):\n        " * 3)
     assert 33 < len(prompt_ids) < 128  # one feed with the draft's first pass, long enough to count as a prompt's
     speculation, params = SpeculationConfig(algorithm="slem"), SamplingParams(max_new_tokens=8)
-    worker.open("lazy", prompt_ids, "slem", speculation, params, False)
+    worker.open(OpenSession("lazy", prompt_ids, "slem", speculation, params, False))
     try:
-        [draft] = worker.draft_many([("lazy", b"", 4, 0, 0)])
-        assert draft.fed_prompt and draft.drafter_forwards >= 2
-        [draft] = worker.draft_many([("lazy", draft.text, 4, 4, 1)])
+        [draft] = worker.draft([DraftItem("lazy", b"", 4, 0, 0)])
+        assert draft.fed_prompt and draft.draft.drafter_forwards >= 2
+        [draft] = worker.draft([DraftItem("lazy", draft.draft.text, 4, 4, 1)])
         assert not draft.fed_prompt
     finally:
         worker.close("lazy")
@@ -283,7 +285,7 @@ def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(exit_stack, ge
 def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(exit_stack, gemma, smollm):
     """In step, the target's prompt goes a chunk per verify call; until it is in the cache the request is not in
     the policy's round (in process, ``BatchDecoder`` keeps a joining request out of ``running`` the same way)."""
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator, target_worker, _ = _served(exit_stack, gemma, smollm, pipelined=False, prefill_chunk_tokens=16)
     prompt = "def moving_average(values, window):\n    " * 5
@@ -342,7 +344,7 @@ def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pas
     """In step a drafter session opens without its prompt: drafted on the first step, that prefill held the first
     token (first tokens later than with speculation off: docs/decisions/load-adaptive-draft-length.md). Drafting
     starts at the second step, in process as served (``Progress.draft_length``); the output stays the target's."""
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator, _, drafter_worker = exit_stack.enter_context(in_process_coordinator(
         gemma, smollm, speculation={"algorithm": "slem"}, pipeline={"pipelined": False}))

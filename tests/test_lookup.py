@@ -19,7 +19,7 @@ from synthetic import (chi_square_pvalue, drafter_tokenizer, language_model, per
 from test_batching import check_against_reference, reference_greedy
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.config import BatchingConfig
-from hetspec.decoder import BatchDecoder
+from hetspec.step import BatchDecoder
 from hetspec.lookup import (MATCH_CANDIDATES, RETRY_AFTER, ContextIndex, SourceTally, common_suffix_length,
                             point_mass_probs, prefers_lookup, utf8_prefix)
 from hetspec.sampling import accepts
@@ -350,7 +350,7 @@ def test_served_decode_loop_with_lookup_equals_the_library(exit_stack, gemma, sm
     are the library's (seed for seed: the same drafts, the same numbers)."""
     import asyncio
 
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
     from serve_fixtures import in_process_coordinator
 
     coordinator = exit_stack.enter_context(

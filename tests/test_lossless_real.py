@@ -6,7 +6,7 @@ import torch
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import ALGORITHM_CLASSES, Draft
 from hetspec.decoder import TargetSide
-from hetspec.kv import run_alone
+from hetspec.passes import run_alone
 
 pytestmark = pytest.mark.real
 

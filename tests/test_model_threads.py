@@ -1,4 +1,5 @@
-"""deployments/model_threads.py: which threads run a worker's model work, and how many OpenMP threads each uses."""
+"""deployments/runtime/model_threads.py: which threads run a worker's model work, and how many OpenMP threads each
+uses."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from deployments import model_threads, workers
+from deployments.runtime import model_threads
+from deployments.workers import model_workers as workers
 from deployments.config import AppConfig
-from deployments.model_threads import ModelThreads, torch_openmp
-from deployments.workers import TargetWorker
+from deployments.runtime.model_threads import ModelThreads, torch_openmp
+from deployments.workers.api import OpenSession, VerifyItem
+from deployments.workers.model_workers import TargetWorker
 from hetspec.algorithms import Draft
 from hetspec import SamplingParams, SpeculationConfig
 from hetspec.config import ModelConfig
@@ -71,9 +74,9 @@ def test_worker_runs_every_forward_on_its_model_threads_with_torch_thread_count(
         prompt_ids = gemma.encode_prompt("def add(a, b):")
 
         def one_request(index: int):
-            worker.open(f"r{index}", prompt_ids, "slem", SpeculationConfig(), SamplingParams())
+            worker.open(OpenSession(f"r{index}", prompt_ids, "slem", SpeculationConfig(), SamplingParams()))
             try:
-                [result] = worker.verify_many([(f"r{index}", Draft())])
+                [result] = worker.verify([VerifyItem(f"r{index}", Draft())])
                 return result
             finally:
                 worker.close(f"r{index}")
@@ -134,7 +137,8 @@ def test_a_worker_counts_requests_at_the_other_model_only_where_both_models_run_
                                                                     "pipelined": pipelined}}).pipeline
     worker = exit_stack.enter_context(TargetWorker(gemma, pipeline))
     for request_id in ("r", "s"):
-        worker.open(request_id, gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(), SamplingParams())
+        worker.open(OpenSession(request_id, gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(),
+                                SamplingParams()))
     try:
         assert worker.model_threads.at_other_model() == 2 * counted  # both between calls here
         with worker.sessions.use("r"), worker.sessions.use("s"):  # both in one batched call: its pass gets every
@@ -208,8 +212,9 @@ def test_a_shut_down_worker_frees_its_sessions_and_ends_every_thread_it_started_
     pipeline = AppConfig.model_validate({**SMALL_PAIR, "pipeline": {"heap_trim_interval_s": 30}}).pipeline
     before, taken_before = _os_threads(), set(gemma.kv_pool.taken)  # the session-wide model's other users
     with TargetWorker(gemma, pipeline) as worker:
-        worker.open("r", gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(), SamplingParams())
-        worker.verify_many([("r", Draft())])  # model work on the first lane: a team of two
+        worker.open(OpenSession("r", gemma.encode_prompt("def add(a, b):"), "slem", SpeculationConfig(),
+                                SamplingParams()))
+        worker.verify([VerifyItem("r", Draft())])  # model work on the first lane: a team of two
         assert _os_threads() > before and len(worker.sessions) == 1
     assert len(worker.sessions) == 0 and gemma.kv_pool.taken == taken_before
     deadline = time.monotonic() + 10

@@ -25,7 +25,7 @@ import yaml
 
 from cluster_checks import (NEW_TOKENS, PROMPTS, SMALL_ARGS, SMALL_CONFIG, InFlight, assert_failed_clearly,
                             grpc_tokens, http_tokens, recovered_tokens, target_alone)
-from deployments.local_serve import LocalServe, deploy, local_serve
+from deployments.tools.local_serve import LocalServe, deploy, local_serve
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 

@@ -25,7 +25,7 @@ import yaml
 from cluster.netns.hosts import TestHosts, namespaces_can_be_made, test_hosts
 from cluster_checks import (NEW_TOKENS, PROMPTS, SMALL_CONFIG, InFlight, assert_failed_clearly, grpc_tokens,
                             http_tokens, recovered_tokens, target_alone)
-from deployments.client import wait_until_healthy
+from deployments.tools.client import wait_until_healthy
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(900)]
 

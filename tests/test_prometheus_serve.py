@@ -33,7 +33,7 @@ import httpx
 import pytest
 import yaml
 
-from deployments.local_serve import free_port
+from deployments.tools.local_serve import free_port
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
 from serve_fixtures import serve_app, serve_logs_dir, small_app_args

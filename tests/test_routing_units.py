@@ -1,4 +1,4 @@
-"""deployments/routing.py's request router, driven the way Serve's router drives it, without Ray running.
+"""deployments/serving/routing.py's request router, driven the way Serve's router drives it, without Ray running.
 
 The serve-level proof (two replicas at their total capacity, not one 429) is in tests/test_autoscaling_serve.py.
 """
@@ -15,7 +15,7 @@ from ray.serve.request_router import PendingRequest
 
 from deployments.app import deployment_options, replica_capacity
 from deployments.config import AppConfig
-from deployments.routing import RoomRouter, is_generation, rank_by_room
+from deployments.serving.routing import RoomRouter, is_generation, rank_by_room
 
 
 def _replica(name: str, **routing_stats) -> SimpleNamespace:

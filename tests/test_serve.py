@@ -348,7 +348,7 @@ def test_client_sends_the_application_metadata(served_app):  # noqa: F811
     import sys
 
     def client(application: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "deployments.client", "grpc", "--target", served_app.grpc_target,
+        return subprocess.run([sys.executable, "-m", "deployments.tools.client", "grpc", "--target", served_app.grpc_target,
                                "--prompt", PROMPTS[1], "--max-new-tokens", "3", "--application", application],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
 

@@ -56,32 +56,41 @@ def reference(gemma):
 # --- in process: the coordinator's drafter-loss fallback -------------------------------------------------
 
 class DrafterDyingAfter:
-    """A drafter worker in this process whose ``draft_many`` calls fail with WorkerLost after ``drafts`` calls
+    """A drafter worker in this process whose ``draft`` calls fail with WorkerLost after ``drafts`` calls
     (``drafts=-1``: it is already gone when the request opens its session), as an actor's would."""
 
     def __init__(self, worker, drafts: int):
-        from deployments.pipeline import LocalWorker
+        from deployments.workers.clients import LocalWorker
 
         self.worker = worker
         self.local = LocalWorker(worker)
         self.drafts_left = drafts
 
-    def call(self, method: str, *args):
-        from deployments.pipeline import WorkerLost
+    @property
+    def identity(self) -> int:
+        return self.local.identity
 
-        if method in ("open", "draft_many"):
-            if self.drafts_left == -1 or (method == "draft_many" and self.drafts_left == 0):
-                lost = asyncio.get_running_loop().create_future()
-                lost.set_exception(WorkerLost("drafter"))
-                return lost
-            self.drafts_left -= method == "draft_many"
-        return self.local.call(method, *args)
+    def open(self, session):
+        if self.drafts_left == -1:
+            return self._lost()
+        return self.local.open(session)
 
-    def call_shared(self, method: str, *args):
-        return self.call(method, *args)
+    def draft(self, items):
+        if self.drafts_left in (-1, 0):
+            return self._lost()
+        self.drafts_left -= 1
+        return self.local.draft(items)
 
-    def call_detached(self, method: str, *args) -> None:
-        self.local.call_detached(method, *args)
+    def close(self, request_id: str):
+        return self.local.close(request_id)
+
+    @staticmethod
+    def _lost():
+        from deployments.errors import WorkerLost
+
+        lost = asyncio.get_running_loop().create_future()
+        lost.set_exception(WorkerLost("drafter"))
+        return lost
 
     def pinned(self):
         return self
@@ -96,7 +105,7 @@ def local_coordinator(gemma, smollm):
 
 @pytest.mark.parametrize("drafts, pipelined", [(-1, False), (1, False), (2, True)])
 def test_drafter_lost_mid_request_the_target_finishes_alone(local_coordinator, reference, drafts, pipelined):
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
 
     coordinator = local_coordinator
     target_worker, drafter_worker = coordinator.target.worker, coordinator.drafter.worker

@@ -14,15 +14,16 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from deployments.admission import Overloaded, RequestTimeout
 from deployments.app import deployment_options
-from deployments.auth import ApiKeys, Unauthenticated
+from deployments.auth import ApiKeys
 from deployments.config import AppConfig
-from deployments.coordinator import InvalidRequest
-from deployments.grpc_service import GrpcMethods, client_status, to_generation
-from deployments.openai_protocol import ChatCompletionRequest, CompletionRequest
-from deployments.pipeline import WorkerLost, _Speculation
-from deployments.sessions import Sessions, SessionLimitReached, UnknownSession
+from deployments.errors import (InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, Unauthenticated,
+                                UnknownSession, WorkerLost)
+from deployments.api.grpc_service import GrpcMethods, client_status, to_generation
+from deployments.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from deployments.serving.pipeline import _Speculation
+from deployments.workers.api import Drafted
+from deployments.workers.sessions import Sessions
 from hetspec.algorithms import Draft
 from protos.generate import stale_stubs
 from protos.hetspec.v1 import hetspec_pb2 as pb
@@ -69,7 +70,7 @@ def test_app_config_rejects_unknown_fields_by_name():
 def test_worker_env_vars_become_the_model_actors_runtime_env(monkeypatch):
     import ray
 
-    from deployments.actors import _actor_options
+    from deployments.workers.actors import _actor_options
 
     monkeypatch.setattr(ray.util, "get_current_placement_group", lambda: None)  # asking would start Ray
     preload = {"LD_PRELOAD": "libjemalloc.so.2"}
@@ -298,11 +299,9 @@ def _grpc_methods(run_error: Exception | None = None) -> GrpcMethods:
     async def prepare_async(generation, request_id):
         return SimpleNamespace(request_id="r-1")
 
-    methods = GrpcMethods()
-    methods.coordinator = SimpleNamespace(
+    return GrpcMethods(SimpleNamespace(
         api_keys=ApiKeys(["sk-1"]), config=SimpleNamespace(limits=SimpleNamespace(default_max_new_tokens=4)),
-        prepare_async=prepare_async, run=run)
-    return methods
+        prepare_async=prepare_async, run=run))
 
 
 async def _answers(methods: GrpcMethods, method: str, context,
@@ -371,13 +370,17 @@ class TestGrpcClientErrors:
         assert (context.code, context.details) == (grpc.StatusCode.INTERNAL, "internal server error")
 
 
-def _usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
+def _spent_and_usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
     async def resolve():
         pending = asyncio.get_running_loop().create_future()
-        pending.set_result(draft)
+        pending.set_result(Drafted(draft, seconds=0.5))
         return await _Speculation(pending, assumed, table or {}).usable(new_ids)
 
-    return asyncio.run(resolve())[1]
+    return asyncio.run(resolve())
+
+
+def _usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
+    return _spent_and_usable(draft, assumed, new_ids, table)[1]
 
 
 class TestSpeculationHits:
@@ -400,12 +403,18 @@ class TestSpeculationHits:
     def test_text_draft_miss(self, text):
         assert _usable(Draft(text=text), assumed=[1], new_ids=[1, 9], table={9: b" world"}) is None
 
+    @pytest.mark.parametrize("new_ids", [[1, 2, 9], [1, 7], [1, 2, 8]], ids=["hit", "chunk rejected", "wrong guess"])
+    def test_hit_or_miss_the_spent_draft_comes_back_for_its_drafter_passes_and_seconds(self, new_ids):
+        drafted = Draft(candidates=[9, 4, 5], drafter_forwards=3)
+        spent, _ = _spent_and_usable(drafted, assumed=[1, 2], new_ids=new_ids)
+        assert isinstance(spent, Drafted) and spent.draft is drafted and spent.seconds == 0.5
+
 
 def test_grafana_dashboard_charts_every_metric_and_only_those():
     import json
     import re
 
-    from deployments.metrics import CoordinatorMetrics, WorkerMetrics
+    from deployments.runtime.metrics import CoordinatorMetrics, WorkerMetrics
 
     defined = {metric._name for owner in (CoordinatorMetrics(), WorkerMetrics()) for metric in vars(owner).values()}
     dashboard = json.loads((REPO / "cluster" / "grafana" / "hetspec.json").read_text())
@@ -444,8 +453,8 @@ def test_reconfigure_applies_to_new_requests_only_and_refuses_what_needs_a_redep
     """HetSpecServer.reconfigure (Serve's user_config) with the small pair's real tokenizers, no Ray."""
     from deployments.app import HetSpecServer
     from deployments.config import InvalidUserConfig
-    from deployments.coordinator import GenerationRequest
-    from deployments.workers import ModelInfo
+    from deployments.serving.request import GenerationRequest
+    from deployments.workers.api import ModelInfo
     from hetspec import SamplingParams
     from serve_fixtures import small_app_args
 

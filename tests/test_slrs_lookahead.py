@@ -20,7 +20,7 @@ import hetspec.algorithms.slrs
 from synthetic import chi_square_pvalue, language_model, sequence_distribution, single_thread, tiny_llama
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import DrafterSide, EnumerationBudgetExceeded
-from hetspec.kv import run_alone
+from hetspec.passes import run_alone
 from hetspec.algorithms.slrs import StringLevelRejectionSampling
 from hetspec.models import LanguageModel
 from hetspec.sampling import logits_to_probs

@@ -1,4 +1,5 @@
-"""deployments/pipeline.py StepBatches: when the coordinator sends its requests' draft and verify calls together."""
+"""deployments/serving/pipeline.py StepBatches: when the coordinator sends its requests' draft and verify calls
+together."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import asyncio
 
 import pytest
 
-from deployments.pipeline import StepBatches, WorkerLost
+from deployments.errors import WorkerLost
+from deployments.serving.pipeline import Phase, StepBatches
+
+DRAFT, VERIFY = Phase.DRAFT, Phase.VERIFY
 
 
 class Recorder:
@@ -16,7 +20,17 @@ class Recorder:
         self.calls: list[tuple[str, list]] = []
         self.gate: asyncio.Event | None = None  # set: calls wait for it before answering
 
-    def call_shared(self, method: str, items: list):
+    @property
+    def identity(self) -> int:
+        return id(self)
+
+    def draft(self, items: list):
+        return self._answer("draft", items)
+
+    def verify(self, items: list):
+        return self._answer("verify", items)
+
+    def _answer(self, method: str, items: list):
         self.calls.append((method, list(items)))
 
         async def answer():
@@ -31,8 +45,8 @@ def test_one_request_alone_is_never_held_back():
     async def scenario():
         batches, worker, member = StepBatches(max_wait_s=60), Recorder(), object()
         batches.join(member)
-        assert await asyncio.wait_for(batches.call(member, worker, "verify_many", "a"), 1) == "a"
-        assert worker.calls == [("verify_many", ["a"])]
+        assert await asyncio.wait_for(batches.call(member, worker, VERIFY, "a"), 1) == "a"
+        assert worker.calls == [("verify", ["a"])]
 
     asyncio.run(scenario())
 
@@ -43,13 +57,13 @@ def test_calls_leave_together_once_nobody_else_is_about_to_call():
         a, b, c = object(), object(), object()
         for member in (a, b, c):
             batches.join(member)
-        verify_a = asyncio.ensure_future(batches.call(a, target, "verify_many", "a"))
-        verify_b = asyncio.ensure_future(batches.call(b, target, "verify_many", "b"))
+        verify_a = asyncio.ensure_future(batches.call(a, target, VERIFY, "a"))
+        verify_b = asyncio.ensure_future(batches.call(b, target, VERIFY, "b"))
         await asyncio.sleep(0.05)
         assert target.calls == []  # c is free: it may be about to verify too
-        draft_c = asyncio.ensure_future(batches.call(c, drafter, "draft_many", "c"))
+        draft_c = asyncio.ensure_future(batches.call(c, drafter, DRAFT, "c"))
         assert await asyncio.wait_for(asyncio.gather(verify_a, verify_b, draft_c), 1) == ["a", "b", "c"]
-        assert target.calls == [("verify_many", ["a", "b"])] and drafter.calls == [("draft_many", ["c"])]
+        assert target.calls == [("verify", ["a", "b"])] and drafter.calls == [("draft", ["c"])]
 
     asyncio.run(scenario())
 
@@ -61,16 +75,16 @@ def test_a_call_in_flight_is_waited_for_and_a_slow_member_is_not():
         batches.join(a)
         batches.join(b)
         drafter.gate = asyncio.Event()
-        draft_b = asyncio.ensure_future(batches.call(b, drafter, "draft_many", "b"))
+        draft_b = asyncio.ensure_future(batches.call(b, drafter, DRAFT, "b"))
         await asyncio.sleep(0.3)  # a is free (busy elsewhere) past max_wait_s: b's draft leaves without it
-        verify_a = asyncio.ensure_future(batches.call(a, target, "verify_many", "a"))
+        verify_a = asyncio.ensure_future(batches.call(a, target, VERIFY, "a"))
         await asyncio.sleep(0.4)  # past max_wait_s: still waiting, since b's call is in flight
-        assert drafter.calls == [("draft_many", ["b"])] and target.calls == []
+        assert drafter.calls == [("draft", ["b"])] and target.calls == []
         drafter.gate.set()
         assert await draft_b == "b"
         # b is back and free (it would verify next); it gets max_wait_s, then a leaves alone
         assert await asyncio.wait_for(verify_a, 1) == "a"
-        assert target.calls == [("verify_many", ["a"])]
+        assert target.calls == [("verify", ["a"])]
 
     asyncio.run(scenario())
 
@@ -81,22 +95,22 @@ def test_a_cancelled_caller_leaves_the_batch_and_errors_reach_every_caller():
         a, b, c = object(), object(), object()
         for member in (a, b, c):
             batches.join(member)
-        verify_a = asyncio.ensure_future(batches.call(a, target, "verify_many", "a"))
-        verify_b = asyncio.ensure_future(batches.call(b, target, "verify_many", "b"))
+        verify_a = asyncio.ensure_future(batches.call(a, target, VERIFY, "a"))
+        verify_b = asyncio.ensure_future(batches.call(b, target, VERIFY, "b"))
         await asyncio.sleep(0)
         verify_a.cancel()  # its client went away: its task unwinds, then leaves
         await asyncio.sleep(0)
         batches.leave(a)
         batches.leave(c)  # c finished: b is the last one
         assert await asyncio.wait_for(verify_b, 1) == "b"
-        assert target.calls == [("verify_many", ["b"])]
+        assert target.calls == [("verify", ["b"])]
 
         class Lost(Recorder):
-            def call_shared(self, method, items):
+            def verify(self, items):
                 raise WorkerLost("target")
 
         with pytest.raises(WorkerLost):
-            await asyncio.wait_for(batches.call(b, Lost(), "verify_many", "b"), 1)
+            await asyncio.wait_for(batches.call(b, Lost(), "verify", "b"), 1)
 
     asyncio.run(scenario())
 
@@ -110,15 +124,15 @@ def test_with_one_model_at_a_time_the_others_wait_for_the_call_in_flight_and_the
         batches.join(a)
         batches.join(b)
         target.gate = asyncio.Event()
-        verify_a = asyncio.ensure_future(batches.call(a, target, "verify_many", "a"))
-        draft_b = asyncio.ensure_future(batches.call(b, drafter, "draft_many", "b"))  # out of phase with a
+        verify_a = asyncio.ensure_future(batches.call(a, target, VERIFY, "a"))
+        draft_b = asyncio.ensure_future(batches.call(b, drafter, DRAFT, "b"))  # out of phase with a
         await asyncio.sleep(0.05)
-        assert target.calls == [("verify_many", ["a"])] and drafter.calls == []
+        assert target.calls == [("verify", ["a"])] and drafter.calls == []
         target.gate.set()
         assert await verify_a == "a"
-        draft_a = asyncio.ensure_future(batches.call(a, drafter, "draft_many", "a2"))  # a's next step
+        draft_a = asyncio.ensure_future(batches.call(a, drafter, DRAFT, "a2"))  # a's next step
         assert await asyncio.wait_for(asyncio.gather(draft_b, draft_a), 1) == ["b", "a2"]
-        assert drafter.calls == [("draft_many", ["b", "a2"])], "one draft call for both: back in phase"
+        assert drafter.calls == [("draft", ["b", "a2"])], "one draft call for both: back in phase"
 
     asyncio.run(scenario())
 
@@ -134,18 +148,18 @@ def test_with_one_model_at_a_time_a_lone_drafting_request_is_not_starved_by_the_
 
         async def decode(member, steps):
             for step in range(steps):
-                await batches.call(member, target, "verify_many", step)
+                await batches.call(member, target, VERIFY, step)
             batches.leave(member)
 
         async def draft_then_verify():
-            await batches.call(drafting, drafter, "draft_many", "d")
-            await batches.call(drafting, target, "verify_many", "d")
+            await batches.call(drafting, drafter, DRAFT, "d")
+            await batches.call(drafting, target, VERIFY, "d")
             batches.leave(drafting)
 
         await asyncio.wait_for(asyncio.gather(*(decode(member, 6) for member in plain), draft_then_verify()), 2)
         methods = [method for method, _ in target.calls + drafter.calls]
-        assert methods.count("verify_many") == 6 and drafter.calls == [("draft_many", ["d"])]
+        assert methods.count("verify") == 6 and drafter.calls == [("draft", ["d"])]
         # the draft went after the first target call, and the drafting request's verify rode the second
-        assert target.calls[0] == ("verify_many", [0, 0, 0]) and target.calls[1] == ("verify_many", [1, 1, 1, "d"])
+        assert target.calls[0] == ("verify", [0, 0, 0]) and target.calls[1] == ("verify", [1, 1, 1, "d"])
 
     asyncio.run(scenario())

@@ -9,7 +9,7 @@ from synthetic import language_model, target_tokenizer
 from hetspec import SamplingParams, SpeculationConfig
 from hetspec.algorithms import ALGORITHM_CLASSES, Draft
 from hetspec.decoder import TargetSide
-from hetspec.kv import run_alone
+from hetspec.passes import run_alone
 from hetspec.tree import ROOT, chain_then_tree, trie, walk
 
 
@@ -118,7 +118,7 @@ def test_served_decode_loop_with_a_draft_tree_equals_the_target_alone(exit_stack
     tree drafts travel drafter -> alignment -> target and the output is the target's alone."""
     import asyncio
 
-    from deployments.coordinator import GenerationRequest
+    from deployments.serving.request import GenerationRequest
     from hetspec import Engine
     from serve_fixtures import in_process_coordinator
 

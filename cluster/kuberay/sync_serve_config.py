@@ -27,7 +27,7 @@ REPO_ROOT = KUBERAY_DIR.parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere: deployments/ is the checkout's
     sys.path.insert(0, str(REPO_ROOT))
 
-from deployments.cpu_env import cpu_env  # noqa: E402  (after the path above)
+from deployments.runtime.cpu_env import cpu_env  # noqa: E402  (after the path above)
 # manifest -> the Serve config file it embeds
 MIRRORS = {
     "rayservice.yaml": "deployments/config.gpu.yaml",

@@ -20,7 +20,8 @@ import torch
 from hetspec import vocab
 from hetspec.align import DrafterContext
 from hetspec.config import SamplingParams, SpeculationConfig
-from hetspec.kv import Feed, KVSession, Steps
+from hetspec.kv import Feed, KVSession
+from hetspec.passes import Steps
 from hetspec.lookup import point_mass_probs
 from hetspec.models import LanguageModel
 from hetspec.tree import TokenTree
@@ -32,9 +33,9 @@ class Draft:
     in process and between the server's processes.
 
     ``draft_probs`` is [rows, target_vocab] or None; candidate i's row is ``first_row + i`` (a speculative draft
-    used without its first token skips a row). Between processes it is a stored reference (deployments/workers.py).
-    SLEM drafts strings and ``align`` turns them into target ids: ``text`` for a chain, ``texts`` (one per
-    root-to-leaf branch) for a tree.
+    used without its first token skips a row). Between processes it is a stored reference
+    (deployments/workers/model_workers.py). SLEM drafts strings and ``align`` turns them into target ids: ``text`` for a
+    chain, ``texts`` (one per root-to-leaf branch) for a tree.
     """
 
     candidates: list[int] = field(default_factory=list)
@@ -44,10 +45,6 @@ class Draft:
     tree: TokenTree | None = None
     drafter_forwards: int = 0
     first_row: int = 0
-    seconds: float = 0.0  # time the drafter took (the server's statistics)
-    # the server's: a drafter pass since its previous call fed a context's chunk (a catch-up), so the load-adaptive
-    # policy leaves the step out of its measure (deployments/load_adaptive.py)
-    fed_prompt: bool = False
     source: str = "drafter"  # "drafter" (the drafter model) or "lookup" (the context lookup, hetspec/lookup.py)
 
     @property
@@ -141,8 +138,8 @@ class Algorithm:
               first_position: int, draft_round: int) -> Steps:
         """Propose up to k target tokens for output positions first_position.. after ``committed``.
 
-        A generator (``hetspec.kv.Steps``): it yields each drafter pass it needs and returns the Draft, so
-        many requests draft in lockstep, one batched pass per draft position (``hetspec.kv.run_lockstep``).
+        A generator (``hetspec.passes.Steps``): it yields each drafter pass it needs and returns the Draft, so
+        many requests draft in lockstep, one batched pass per draft position (``hetspec.passes.run_lockstep``).
         ``draft_round`` numbers this request's drafts (0, 1, ... speculative ones included): the drafter's
         random numbers are keyed by it and the position, so none is ever reused (``hetspec.sampling``)."""
         return Draft()

@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from hetspec.algorithms.base import Algorithm, Draft, DrafterSide
-from hetspec.kv import Feed, Steps
+from hetspec.kv import Feed
+from hetspec.passes import Steps
 from hetspec.align import complete_utf8_length, target_candidates
 from hetspec.config import SamplingParams
 from hetspec.sampling import Stream, logits_to_probs, sample_from, uniform

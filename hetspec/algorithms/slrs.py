@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from hetspec.algorithms.base import Draft, DrafterSide, PairMaps
-from hetspec.kv import Steps
+from hetspec.passes import Steps
 from hetspec.algorithms.tli import TokenLevelIntersection
 from hetspec.align import ends_at_character
 from hetspec.config import SamplingParams

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hetspec.algorithms.base import Algorithm, Draft, DrafterSide
-from hetspec.kv import Steps
+from hetspec.passes import Steps
 from hetspec.config import SamplingParams
 from hetspec.sampling import Stream, logits_to_probs, sample_from, uniform
 

@@ -20,19 +20,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from deployments.admission import Ticket
 from deployments.auth import RequireApiKey
+from deployments.serving.admission import Ticket
 from deployments.config import CorsConfig
 from hetspec.config import require_unicode
 from hetspec.output import GenerationResult, ResultBuilder, StreamEvent
 
-from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
-                                     RequestTimeout, serve_request_id, validation_to_invalid)
-from deployments.openai_protocol import (FIELD_NAMES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                         TokenizeRequest, error_body, request_error)
-from deployments.openai_responses import (ChatCompletion, Completion, Detokenized, ResponseWriter, Tokenized,
-                                          TokenStrings, generation_responses, sse, tokenizer_responses)
-from deployments.pipeline import WorkerLost
+from deployments.serving.coordinator import Coordinator, Prepared
+from deployments.serving.request import GenerationRequest, serve_request_id, validation_to_invalid
+from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, WorkerLost
+from deployments.api.openai_protocol import (FIELD_NAMES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                             TokenizeRequest, request_error)
+from deployments.api.openai_responses import (ChatCompletion, Completion, Detokenized, ResponseWriter, Tokenized,
+                                              TokenStrings, error_body, generation_responses, sse, tokenizer_responses)
 
 log = logging.getLogger("ray.serve")
 

@@ -18,9 +18,24 @@ from pydantic import Field
 from hetspec.config import StrictModel
 from hetspec.output import GenerationResult, StreamEvent, TokenLogprob
 
-from deployments.openai_protocol import ErrorResponse
-
 LOWEST_LOGPROB = -9999.0
+
+
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ErrorDetail(StrictModel):
+    message: str = Field(description="What is wrong; starts with the field's name when a field is at fault.")
+    type: str = Field(description="invalid_request_error, authentication_error, server_busy, server_unavailable, ...")
+    param: str | None = Field(description="The request field at fault (dotted path), if any.")
+    code: str | None = Field(description="A machine-readable code (e.g. overloaded), if any.")
+
+
+class ErrorResponse(StrictModel):
+    """OpenAI's error body: every 4xx/5xx of this API has it."""
+
+    error: ErrorDetail = Field(description="The error.")
 
 
 class Usage(StrictModel):

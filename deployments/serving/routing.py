@@ -26,7 +26,7 @@ from typing import Any, Hashable, Sequence
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 # The routes whose requests take an admission slot: OpenAI's generation routes (Serve gives the router the
-# FastAPI route pattern, after any route prefix) and the gRPC methods (deployments/grpc_service.py).
+# FastAPI route pattern, after any route prefix) and the gRPC methods (deployments/api/grpc_service.py).
 GENERATION_HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions")
 GENERATION_GRPC_METHODS = frozenset({"Generate", "GenerateStream"})
 # A choice that Serve resolved but never dispatched (its caller left in between) fires no callback: its

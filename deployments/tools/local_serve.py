@@ -17,6 +17,7 @@ folder). See deployments/README.md, "Token authentication".
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import random
 import socket
@@ -26,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from deployments.client import wait_until_healthy
 from deployments.config import GRPC_MAX_MESSAGE_BYTES
+from deployments.tools.client import wait_until_healthy
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 _HANDED_OUT: set[int] = set()
@@ -146,16 +147,17 @@ def _private_cluster(nodes: Sequence[dict], metrics_ports: Sequence[int]) -> tup
 
 
 def _run(serve_config: dict) -> None:
-    """``serve.run`` of ``build_app(args)`` in this process (a deploy from Python)."""
+    """``serve.run`` in this process (a deploy from Python) of what the config's ``import_path`` builds from its
+    ``args`` (``deployments.app:build_app``), as ``serve run`` does."""
     from ray import serve
     from ray.serve.config import gRPCOptions
-
-    from deployments.app import build_app
 
     http, grpc = serve_config["http_options"], serve_config["grpc_options"]
     serve.start(proxy_location="HeadOnly", http_options={"host": http["host"], "port": http["port"]},
                 grpc_options=gRPCOptions(port=grpc["port"], grpc_servicer_functions=grpc["grpc_servicer_functions"]))
     application = serve_config["applications"][0]
+    module, _, builder = application["import_path"].partition(":")
+    build_app = getattr(importlib.import_module(module), builder)
     serve.run(build_app(application["args"]), name=application["name"],
               route_prefix=application.get("route_prefix", "/"), blocking=False)
 

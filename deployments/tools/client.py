@@ -1,8 +1,8 @@
 """A small client of the hetspec Serve app: gRPC and OpenAI HTTP requests, and a health wait.
 
-    python deployments/client.py wait --url http://127.0.0.1:8000 --timeout 600
-    python deployments/client.py grpc --target 127.0.0.1:9000 --prompt "def add(a, b):" [--stream]
-    python deployments/client.py http --url http://127.0.0.1:8000 --prompt "def add(a, b):" [--chat] [--stream]
+    python deployments/tools/client.py wait --url http://127.0.0.1:8000 --timeout 600
+    python deployments/tools/client.py grpc --target 127.0.0.1:9000 --prompt "def add(a, b):" [--stream]
+    python deployments/tools/client.py http --url http://127.0.0.1:8000 --prompt "def add(a, b):" [--chat] [--stream]
 
 Prints the generated text and the speculation statistics; exits non-zero with a message on failure.
 A server with an API key needs ``--api-key KEY`` (default: $HETSPEC_API_KEY): sent as
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the stubs (protos/) when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the stubs (protos/) when run as a script
 
 STATS_SHOWN = ("algorithm", "generated_tokens", "target_forwards", "drafted_tokens", "accepted_tokens",
                "acceptance_rate", "mean_accepted_per_pass", "pipelined", "pipeline_hits", "pipeline_misses",

@@ -4,7 +4,7 @@ Only what the official ``openai`` client sends is accepted (plus vLLM's ``stop_t
 or a known one this server does not implement (penalties, logit_bias, best_of > 1, suffix, echo with logprobs,
 ...), is a 400 naming the field, never silently ignored. Speculation options travel in the ``hetspec``
 extension object (``extra_body`` in the client), statistics come back in a ``hetspec`` field of the response
-(deployments/openai_responses.py). Defaults follow OpenAI's (temperature 1), except max_tokens: the server's
+(deployments/api/openai_responses.py). Defaults follow OpenAI's (temperature 1), except max_tokens: the server's
 default_max_new_tokens.
 """
 
@@ -17,7 +17,9 @@ from pydantic import Field, NonNegativeInt, ValidationInfo, field_validator
 from hetspec.config import Algorithm as AlgorithmName
 from hetspec.config import StrictModel
 
-from deployments.coordinator import MAX_MESSAGES, ChatMessage, GenerationRequest, InvalidRequest
+from deployments.api.openai_responses import error_body
+from deployments.errors import InvalidRequest
+from deployments.serving.request import MAX_MESSAGES, ChatMessage, GenerationRequest
 
 # Our SamplingParams names -> the OpenAI request's, for error messages (the coordinator's own limit check
 # names a bare max_new_tokens).
@@ -208,23 +210,6 @@ class DetokenizeRequest(StrictModel):
 
     model: str | None = Field(None, description="The served model id, if given.")
     tokens: list[int] = Field(max_length=1_000_000, description="Target token ids.")
-
-
-def error_body(message: str, param: str | None, kind: str = "invalid_request_error", code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-class ErrorDetail(StrictModel):
-    message: str = Field(description="What is wrong; starts with the field's name when a field is at fault.")
-    type: str = Field(description="invalid_request_error, authentication_error, server_busy, server_unavailable, ...")
-    param: str | None = Field(description="The request field at fault (dotted path), if any.")
-    code: str | None = Field(description="A machine-readable code (e.g. overloaded), if any.")
-
-
-class ErrorResponse(StrictModel):
-    """OpenAI's error body: every 4xx/5xx of this API has it."""
-
-    error: ErrorDetail = Field(description="The error.")
 
 
 def request_error(error: InvalidRequest) -> dict:

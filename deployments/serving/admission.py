@@ -18,37 +18,15 @@ everything runs on the replica's event loop.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from typing import Awaitable, Callable, Iterable
 
+from deployments.errors import Overloaded, RequestTimeout
+
 # Longest a slot waits for its request's session closes before it is handed on anyway (a dead actor's
 # close never answers; the actor's idle sweep frees what is left).
 CLOSE_WAIT_S = 30.0
-
-
-class Overloaded(RuntimeError):
-    """The server is full (running and waiting requests, or an actor's sessions); the client may retry later."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def __reduce__(self):  # it crosses process boundaries (replica -> gRPC proxy) pickled
-        return Overloaded, (str(self), self.retry_after_s)
-
-    @property
-    def retry_after_header(self) -> str:
-        """Retry-After's value: whole seconds (RFC 9110 delay-seconds), rounded up."""
-        return str(math.ceil(self.retry_after_s))
-
-
-class RequestTimeout(TimeoutError):
-    """The request ran (or waited) past its deadline; its work was stopped and its sessions freed."""
-
-    def __reduce__(self):
-        return RequestTimeout, (str(self),)
 
 
 class Ticket:

@@ -14,15 +14,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Iterator, TypeVar
 
+from deployments.errors import SessionLimitReached, UnknownSession
+
 Session = TypeVar("Session")
-
-
-class SessionLimitReached(RuntimeError):
-    """The actor already holds max_sessions KV caches."""
-
-
-class UnknownSession(KeyError):
-    """No session with this request id: never opened, closed, or freed after being idle."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """gRPC: the ``hetspec.v1.HetSpec`` methods, served by Serve's gRPC proxy (protos/hetspec/v1/hetspec.proto).
 
-A mixin of the ingress deployment: Serve calls ``Generate`` / ``GenerateStream`` by name with the
-request message and a ``grpc_context``. Bad input is INVALID_ARGUMENT (field named in the details), a
+A component of the ingress deployment (deployments/app.py ``HetSpecServer`` holds one and forwards to it):
+Serve calls ``Generate`` / ``GenerateStream`` on the deployment by name with the request message and a
+``grpc_context``. Bad input is INVALID_ARGUMENT (field named in the details), a
 missing or wrong API key UNAUTHENTICATED, a full server RESOURCE_EXHAUSTED (details end with "retry after
 N s"), a request past ``limits.request_timeout_s`` DEADLINE_EXCEEDED.
 
@@ -32,11 +33,11 @@ from pydantic import ValidationError
 
 from hetspec.output import ResultBuilder, StreamEvent, TokenLogprob
 
-from deployments.auth import Unauthenticated, grpc_api_key
-from deployments.coordinator import (Coordinator, GenerationRequest, InvalidRequest, Overloaded, Prepared,
-                                     RequestTimeout, serve_request_id, validation_to_invalid)
-from deployments.grpc_registration import UndecodableRequest
-from deployments.pipeline import WorkerLost
+from deployments.auth import grpc_api_key
+from deployments.serving.coordinator import Coordinator, Prepared
+from deployments.serving.request import GenerationRequest, serve_request_id, validation_to_invalid
+from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, Unauthenticated, WorkerLost
+from deployments.api.grpc_registration import UndecodableRequest
 from protos.hetspec.v1 import hetspec_pb2 as pb
 
 log = logging.getLogger("ray.serve")
@@ -97,7 +98,10 @@ def client_status(error: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 class GrpcMethods:
-    coordinator: Coordinator
+    """The gRPC methods of one replica, on its coordinator."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
 
     async def _prepare(self, request: pb.GenerateRequest, grpc_context) -> Prepared:
         metadata = grpc_context.invocation_metadata() if grpc_context is not None else []

@@ -16,62 +16,31 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator
 
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 from ray.exceptions import TaskCancelledError
 
 from hetspec.algorithms import Algorithm, PairMaps, make_algorithm
-from hetspec.config import SamplingParams, SpeculationConfig, StrictModel
-from hetspec.config import Algorithm as AlgorithmName
+from hetspec.config import SamplingParams, SpeculationConfig
 from hetspec.decoder import Progress
 from hetspec.output import StreamEvent
 from hetspec.models import LanguageModel
 
-from deployments.admission import Admission, Overloaded, RequestTimeout, Ticket
 from deployments.auth import ApiKeys
 from deployments.config import AppConfig
-from deployments.load_adaptive import ReplicaLoadAdaptive
-from deployments.metrics import coordinator_metrics
-from deployments.pipeline import DecodeLoop, PipelineStats, Step, StepBatches, Worker, WorkerLost
-from deployments.sessions import SessionLimitReached
-from deployments.workers import ModelInfo
+from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, WorkerLost
+from deployments.runtime.metrics import coordinator_metrics
+from deployments.serving.admission import Admission, Ticket
+from deployments.serving.load_adaptive import ReplicaLoadAdaptive
+from deployments.serving.pipeline import DecodeLoop, PipelineStats, Step, StepBatches
+from deployments.serving.request import GenerationRequest, request_speculation, validation_to_invalid
+from deployments.workers.api import ModelInfo, OpenSession, WorkerClient
 
 log = logging.getLogger("ray.serve")
 
 # How long one health check's answer serves /health (check_health).
 HEALTH_CACHE_S = 1.0
-
-
-class InvalidRequest(ValueError):
-    """The client's fault; ``field`` names the offending request field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self):  # it crosses process boundaries (replica -> gRPC proxy) pickled
-        return InvalidRequest, (self.field, self.message)
-
-
-# Most chat turns one request may hold (each costs template tokens: more never fit a prompt limit in use).
-MAX_MESSAGES = 4096
-
-
-class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant"] = Field(description="Who speaks.")
-    content: str = Field(description="What is said.")
-
-
-class GenerationRequest(StrictModel):
-    prompt: str | None = Field(None, description="Plain prompt (exclusive with messages).")
-    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES, description=(
-        "Chat turns, rendered by each model's chat template (exclusive with prompt)."))
-    params: SamplingParams = Field(description="Sampling and stop settings.")
-    algorithm: AlgorithmName | None = Field(None, description="Speculation algorithm; None: the server default.")
-    draft_tokens: int | None = Field(None, ge=1, le=64, description="Draft length k; None: the server default.")
-    pipelined: bool | None = Field(None, description="Pipeline drafting with verification; None: server default.")
 
 
 @dataclass
@@ -92,40 +61,6 @@ class Prepared:
     pipelined: bool
     deadline: float | None = None  # time.monotonic() past which the request is stopped (limits.request_timeout_s)
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-def request_speculation(server: SpeculationConfig, algorithm: str | None,
-                        draft_tokens: int | None) -> SpeculationConfig:
-    """The server's speculation settings with a request's overrides (None: keep the server's); a
-    ValidationError names the field a client got wrong."""
-    overrides = {name: value for name, value in (("algorithm", algorithm), ("draft_tokens", draft_tokens))
-                 if value is not None}
-    if overrides.get("algorithm") not in (None, "slem", "auto"):
-        overrides["tree_width"] = 1  # the server's SLEM draft tree does not apply to a chain-only algorithm
-    return SpeculationConfig.model_validate({**server.model_dump(), **overrides})
-
-
-def validation_to_invalid(error: ValidationError, renames: dict[str, str] | None = None) -> InvalidRequest:
-    """The first pydantic error as an InvalidRequest naming the field (in the client's own words)."""
-    first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"]) or "request"
-    for ours, theirs in (renames or {}).items():
-        field = field.replace(ours, theirs)
-    return InvalidRequest(field, first["msg"])
-
-
-def serve_request_id() -> str | None:
-    """Serve's id of the request being handled (it tags Serve's logs too); None outside a replica.
-
-    Private API: Ray Serve 2.60 has no public accessor for the current request's id (its public
-    ``serve.get_replica_context()`` describes the replica, ``serve.get_multiplexed_model_id()`` reads one field
-    of this same private context). Pinned with ray in pyproject; if it moves, requests get our own ids."""
-    try:
-        from ray.serve.context import _get_serve_request_context
-
-        return _get_serve_request_context().request_id or None
-    except Exception:  # noqa: BLE001 -- no Serve context: the coordinator makes an id
-        return None
 
 
 def longest_token_chars(model: LanguageModel) -> int:
@@ -156,7 +91,7 @@ def _with_template(info: ModelInfo, chat_template: str | None) -> LanguageModel:
 
 
 class Coordinator:
-    def __init__(self, config: AppConfig, target: Worker, drafter: Worker, target_info: ModelInfo,
+    def __init__(self, config: AppConfig, target: WorkerClient, drafter: WorkerClient, target_info: ModelInfo,
                  drafter_info: ModelInfo):
         self.config = config
         self.target, self.drafter = target, drafter
@@ -335,7 +270,7 @@ class Coordinator:
                             arrived: float) -> AsyncIterator[StreamEvent]:
         """``arrived``: when the request reached this replica (time.perf_counter), for the latency metrics."""
         request_id, session_id, algorithm = prepared.request_id, prepared.session_id, prepared.algorithm
-        workers: list[Worker] = []  # the actors holding this request's sessions
+        workers: list[WorkerClient] = []  # the actors holding this request's sessions
         first_text_at: float | None = None
         finished = False
         self._track(+1)
@@ -391,30 +326,34 @@ class Coordinator:
             raise
         finally:
             self._track(-1)
-            closing.extend(worker.call_detached("close", session_id) for worker in workers)
+            closing.extend(worker.close(session_id) for worker in workers)
 
-    def _pinned_drafter(self) -> Worker | None:
+    def _pinned_drafter(self) -> WorkerClient | None:
         """The drafter for a new request, or None while it is being replaced (the request runs target-only)."""
         try:
             return self.drafter.pinned()
         except WorkerLost:
             return None
 
-    async def _open(self, prepared: Prepared, target: Worker, drafter: Worker | None) -> Worker | None:
+    async def _open(self, prepared: Prepared, target: WorkerClient,
+                    drafter: WorkerClient | None) -> WorkerClient | None:
         """Open the request's sessions; the drafter to use (None: lost while opening, decode target-only)."""
-        args = (prepared.algorithm.name, prepared.speculation, prepared.params)
         # In step, the target's prompt goes a chunk per target call with the others' verify calls
-        # (deployments/pipeline.py DecodeLoop): prefilled here it ran beside the others' draft calls
-        opening = [target.call("open", prepared.session_id, prepared.target_prompt_ids, *args, prepared.pipelined)]
+        # (deployments/serving/pipeline.py DecodeLoop): prefilled here it ran beside the others' draft calls
+        def session(prompt_ids: list[int], prefill_now: bool) -> OpenSession:
+            return OpenSession(prepared.session_id, prompt_ids, prepared.algorithm.name, prepared.speculation,
+                               prepared.params, prefill_now)
+
+        opening = [target.open(session(prepared.target_prompt_ids, prepared.pipelined))]
         if drafter is not None:
-            # The drafter's prefill waits for the first draft (deployments/workers.py) unless the models work side by
-            # side (pipelined): in step, the first draft comes when the target is idle, while at open the two
-            # prefills would share the cores (TTFT 14.3 s against 7.7 s without a drafter at 4 clients,
+            # The drafter's prefill waits for the first draft (deployments/workers/model_workers.py) unless the models
+            # work side by side (pipelined): in step, the first draft comes when the target is idle, while at open the
+            # two prefills would share the cores (TTFT 14.3 s against 7.7 s without a drafter at 4 clients,
             # docs/decisions/served-in-step.md); and at load, while the policy drafts nothing,
             # the prompt may never be drafted from
             prefill_now = prepared.pipelined and (not prepared.speculation.load_adaptive
                                                   or self.load_adaptive.drafting())
-            opening.append(drafter.call("open", prepared.session_id, prepared.drafter_prompt_ids, *args, prefill_now))
+            opening.append(drafter.open(session(prepared.drafter_prompt_ids, prefill_now)))
         # both settle before any error is raised, so no session is opened behind a failure's back
         target_error, drafter_error = [*await asyncio.gather(*opening, return_exceptions=True), None][:2]
         for error in (target_error, drafter_error):
@@ -433,9 +372,9 @@ class Coordinator:
         self.metrics.drafter_lost.inc()
 
     async def stats(self) -> dict:
-        async def actor_stats(worker: Worker) -> dict:
+        async def actor_stats(worker: WorkerClient) -> dict:
             try:
-                return await worker.call("stats")
+                return await worker.stats()
             except WorkerLost as error:
                 return {"error": str(error)}
 
@@ -457,7 +396,7 @@ class Coordinator:
         await asyncio.shield(check)  # a caller that goes away does not cancel the others' check
 
     async def _ping_both(self) -> None:
-        await asyncio.gather(self.target.call("ping"), self.drafter.call("ping"))
+        await asyncio.gather(self.target.ping(), self.drafter.ping())
 
     def _publish_load(self) -> None:
         """Running and waiting requests, and the KV memory they are admitted with, of this replica."""

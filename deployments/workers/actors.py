@@ -18,9 +18,11 @@ from ray.exceptions import ActorDiedError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import ActorResources, AppConfig
-from deployments.metrics import coordinator_metrics
-from deployments.pipeline import ActorWorker
-from deployments.workers import DrafterWorker, ModelInfo, TargetWorker
+from deployments.errors import ModelLoadFailed
+from deployments.runtime.metrics import coordinator_metrics
+from deployments.workers.api import ModelInfo
+from deployments.workers.clients import ActorWorker
+from deployments.workers.model_workers import DrafterWorker, TargetWorker
 
 log = logging.getLogger("ray.serve")
 
@@ -57,17 +59,6 @@ def _actor_options(resources: ActorResources, config: AppConfig, bundle_index: i
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=bundle_index)
     return options
-
-
-class ModelLoadFailed(RuntimeError):
-    """A drafter or target actor could not load its model (bad path, corrupted file, out of memory...)."""
-
-    def __init__(self, role: str, model: str, reason: str):
-        super().__init__(f"the {role} model {model!r} failed to load: {reason}")
-        self.role, self.model, self.reason = role, model, reason
-
-    def __reduce__(self):  # Serve pickles a replica's constructor error
-        return ModelLoadFailed, (self.role, self.model, self.reason)
 
 
 def _reason(error: RayActorError) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dotenv import dotenv_values
 
-CPU_ENV_FILE = Path(__file__).resolve().with_name("cpu.env")
+CPU_ENV_FILE = Path(__file__).resolve().parents[1] / "cpu.env"
 
 
 def cpu_env(path: Path = CPU_ENV_FILE) -> dict[str, str]:

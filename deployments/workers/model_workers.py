@@ -5,16 +5,18 @@ process. They call the library's steps and nothing else, so the distributed loop
 ``hetspec.engine.Engine.stream`` computes: the drafter ``algorithm.draft`` on a ``DrafterSide``, the
 target ``TargetSide.verify``. Alignment and the bookkeeping stay in the coordinator.
 
-Batching: ``draft_many`` and ``verify_many`` take the step of several requests at once (the coordinator
-gathers them, deployments/pipeline.py ``StepBatches``). Each request's step is a computation of the
+The API (deployments/workers/api.py): ``DrafterWorker`` is a ``DrafterAPI``, ``TargetWorker`` a ``TargetAPI``.
+
+Batching: ``draft`` and ``verify`` take the step of several requests at once (the coordinator
+gathers them, deployments/serving/pipeline.py ``StepBatches``). Each request's step is a computation of the
 library's (a generator of passes), and every computation of every call shares the model's passes through
-``hetspec.kv.SharedPasses``: one pass feeds every request waiting at that moment, and a call that arrives
+``hetspec.passes.SharedPasses``: one pass feeds every request waiting at that moment, and a call that arrives
 while a pass runs joins the next one (drafts of several requests advance together, one verification pass
 checks every request's draft). A session's prompt is prefilled in chunks when it opens
 (``pipeline.prefill_chunk_tokens``), each chunk in a pass with the others' rows, packed (hetspec/layouts.py),
 so a long prompt delays the others by one chunk's cost at a time. A session may instead be opened without its
 prompt (requests in step; the drafter's also while the replica drafts nothing): the target's prompt then goes a
-chunk per ``verify_many`` call, in the others' verify pass; the drafter's first draft prefills it, in chunks too.
+chunk per ``verify`` call, in the others' verify pass; the drafter's first draft prefills it, in chunks too.
 
 Large tensors leave through ``store`` and arrive through ``fetch`` (``ray.put`` / ``ray.get`` in actors):
 ``draft_probs`` [k, target_vocab] travels by object reference from the drafter to the target.
@@ -33,52 +35,24 @@ from typing import Any, Callable
 import torch
 
 from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide, PairMaps, make_algorithm
-from hetspec.config import ModelConfig, SamplingParams, SpeculationConfig
+from hetspec.config import ModelConfig, SamplingParams
 from hetspec.decoder import TargetSide
-from hetspec.kv import PassRecord, SharedPasses, prefill
+from hetspec.passes import PassRecord, SharedPasses
+from hetspec.prefill import prefill
 from hetspec.models import LanguageModel, load_model
-from hetspec.output import TokenLogprob
-from hetspec.tree import TokenTree
 
 from deployments.config import PipelineConfig
-from deployments.heap_trim import HeapTrimmer
-from deployments.metrics import worker_metrics
-from deployments.model_threads import ModelThreads
-from deployments.sessions import Sessions
+from deployments.runtime.heap_trim import HeapTrimmer
+from deployments.runtime.metrics import worker_metrics
+from deployments.runtime.model_threads import ModelThreads
+from deployments.workers.sessions import Sessions
+from deployments.workers.api import DraftItem, Drafted, ModelInfo, OpenSession, VerifyItem, VerifyResult
 
 log = logging.getLogger("hetspec.workers")
 
 
 def _same(value: Any) -> Any:
     return value
-
-
-@dataclass
-class ModelInfo:
-    """What the coordinator needs of a model it does not hold: its tokenizer, logits width and EOS ids."""
-
-    name: str
-    tokenizer: Any
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    kv_bytes_per_token: int = 0  # keys and values of one token, all layers (admission's KV budget)
-    bit_exact: bool = False  # the model's load-time self-check (hetspec/exact.py)
-
-    def stand_in(self) -> LanguageModel:
-        """A LanguageModel without weights: enough for tokenizing, vocabulary maps and ``OutputText``."""
-        return LanguageModel(name=self.name, model=None, tokenizer=self.tokenizer, device=torch.device("cpu"),
-                             vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids)
-
-
-@dataclass
-class VerifyResult:
-    new_ids: list[int]  # accepted candidates and the target's own next token
-    seconds: float = 0.0  # time inside the target
-    logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked for them
-    # a pass since the previous verify_many returned fed a prompt's chunk: the load-adaptive policy leaves its step
-    # out of the measure (deployments/load_adaptive.py)
-    fed_prompt: bool = False
-    rows: int = 1  # requests fed by the pass that verified it (its batch)
 
 
 # a request between steps (its other model's pass, the coordinator's turn) still counts as served here
@@ -97,12 +71,12 @@ class _Worker:
     role = "worker"
 
     def __init__(self, model: ModelConfig | LanguageModel, pipeline: PipelineConfig, release: Callable[[Any], None]):
-        # model work, loading included, runs on these threads, not on the actor's (deployments/model_threads.py)
+        # model work, loading included, runs on these threads, not on the actor's (deployments/runtime/model_threads.py)
         self.sessions: Sessions = Sessions(pipeline.max_sessions, pipeline.session_idle_timeout_s, release)
         # Requests at the other model take this model's cores too, unless the models are on different nodes or the
         # requests go in step. Not pipelined, a replica's requests draft together, then verify together
-        # (deployments/pipeline.py, StepBatches): the other model idles while this one runs, and a request between
-        # this model's calls is in the coordinator's turn (sending its tokens), not at the other model. Counted,
+        # (deployments/serving/pipeline.py, StepBatches): the other model idles while this one runs, and a request
+        # between this model's calls is in the coordinator's turn (sending its tokens), not at the other model. Counted,
         # it halved this model's threads while the cores idled: busy 84-87% of the cores at 8 clients
         # (docs/decisions/served-in-step.md, CPU by process).
         shares_cores = pipeline.placement_strategy != "STRICT_SPREAD" and pipeline.pipelined
@@ -110,7 +84,7 @@ class _Worker:
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
             at_other_model=(lambda: self.sessions.elsewhere(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
         # whether a pass fed a prompt's chunk (a pass ~8x dearer) since the last call: the load-adaptive policy
-        # (deployments/load_adaptive.py) measures steps, and such a step priced the prompt, not the draft length
+        # (deployments/serving/load_adaptive.py) measures steps, and such a step priced the prompt, not the draft length
         self._fed_prompt = False
         self.model = self.model_threads.run(_load, model)[0]
         # the self-check (a few passes; it logs its answer) at load, on the model's threads
@@ -136,7 +110,7 @@ class _Worker:
         """Free every session's KV row and end this worker's threads (session sweeper, heap trimmer, model lanes).
         For a worker built in a process that goes on (tests, an application embedding one): its threads would
         otherwise run for the process's life, and its model lanes' OpenMP teams slow every later model pass
-        (deployments/model_threads.py). An actor's process ends with the actor, and these with it."""
+        (deployments/runtime/model_threads.py). An actor's process ends with the actor, and these with it."""
         self.sessions.stop_sweeper()
         self.heap_trimmer.stop()
         self.sessions.close_all()
@@ -264,21 +238,21 @@ class DrafterWorker(_Worker):
         _ = maps.intersection, maps.intersection_inverse, maps.first_target_token
         return maps
 
-    def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
-             params: SamplingParams, prefill_now: bool = True) -> None:
-        """``prefill_now``: the prompt now (its first draft then needs one pass), or at the first draft (the
-        coordinator's choice, deployments/coordinator.py ``_open``)."""
+    def open(self, request: OpenSession) -> None:
+        """``prefill_now``: the prompt now (its first draft then needs one pass), or at the first draft."""
         if self.maps is None:
             raise RuntimeError("attach_target must run before the drafter opens sessions")
-        side, _ = self.model_threads.run(DrafterSide, self.model, prompt_ids, speculation.alignment_window)
-        session = _DrafterSession(side, make_algorithm(algorithm, self.maps, speculation, params), params)
-        self._open(request_id, session)
-        if prefill_now:
-            self._prefill(request_id, lambda session: (session.side.session, session.side.context.ids))
+        side, _ = self.model_threads.run(DrafterSide, self.model, request.prompt_ids,
+                                         request.speculation.alignment_window)
+        session = _DrafterSession(side, make_algorithm(request.algorithm, self.maps, request.speculation,
+                                                       request.params), request.params)
+        self._open(request.request_id, session)
+        if request.prefill_now:
+            self._prefill(request.request_id, lambda session: (session.side.session, session.side.context.ids))
 
-    def draft_many(self, items: list[tuple[str, bytes, int, int, int]]) -> list[Draft | Exception]:
-        """Per item (request_id, committed text, k, first position, draft round): ``algorithm.draft`` after the
-        committed text (the drafter re-syncs to it first), or the exception it raised; the drafts share passes."""
+    def draft(self, items: list[DraftItem]) -> list[Drafted | Exception]:
+        """Per item ``algorithm.draft`` after the committed text (the drafter re-syncs to it first), or the
+        exception it raised; the drafts share passes."""
         def draft(session: _DrafterSession, committed: bytes, k: int, first_position: int, draft_round: int):
             # more than a chunk not cached (a prompt opened without prefill, or many tokens committed while the
             # request drafted nothing) goes in chunks first, as a prompt at open; up to a chunk rides with the draft
@@ -288,14 +262,17 @@ class DrafterWorker(_Worker):
             return (yield from session.algorithm.draft(session.side, committed, k, session.params, first_position,
                                                        draft_round))
 
-        outcomes, seconds = self._run_for([(item[0], item[1:]) for item in items], draft)
+        outcomes, seconds = self._run_for([(item.request_id, (item.committed, item.k, item.first_position,
+                                                              item.draft_round)) for item in items], draft)
         fed_prompt = self._drain_fed_prompt()
+        results: list[Drafted | Exception] = []
         for outcome in outcomes:
             if isinstance(outcome, Draft):
                 if outcome.draft_probs is not None:  # [k, target_vocab] travels by reference to the target
                     outcome.draft_probs = self.store(outcome.draft_probs)
-                outcome.seconds, outcome.fed_prompt = seconds, fed_prompt
-        return outcomes
+                outcome = Drafted(outcome, seconds, fed_prompt)
+            results.append(outcome)
+        return results
 
 
 @dataclass
@@ -313,35 +290,33 @@ class TargetWorker(_Worker):
         super().__init__(model, pipeline, release=lambda session: session.side.release())
         self.fetch = fetch
 
-    def open(self, request_id: str, prompt_ids: list[int], algorithm: str, speculation: SpeculationConfig,
-             params: SamplingParams, prefill_now: bool = True) -> None:
-        """``prefill_now``: the prompt now, or a chunk per ``verify_many`` item without a draft (the coordinator's
-        choice, deployments/coordinator.py ``_open``)."""
+    def open(self, request: OpenSession) -> None:
+        """``prefill_now``: the prompt now, or a chunk per ``verify`` item without a draft."""
         # Verification reads only the algorithm's acceptance rule (``exact``): no vocabulary maps needed here.
-        session = _TargetSession(self.model_threads.run(TargetSide, self.model, prompt_ids)[0],
-                                 ALGORITHM_CLASSES[algorithm](None, speculation), params)
-        self._open(request_id, session)
-        if prefill_now:
-            self._prefill(request_id, lambda session: (session.side.session, session.side.ids))
+        session = _TargetSession(self.model_threads.run(TargetSide, self.model, request.prompt_ids)[0],
+                                 ALGORITHM_CLASSES[request.algorithm](None, request.speculation), request.params)
+        self._open(request.request_id, session)
+        if request.prefill_now:
+            self._prefill(request.request_id, lambda session: (session.side.session, session.side.ids))
 
-    def verify_many(self, items: list[tuple[str, Draft | None]]) -> list[VerifyResult | int | Exception]:
-        """Per item (request_id, draft): the ids the target commits, or the exception; one pass verifies them all.
-        An item without a draft (None) feeds the next chunk of its session's prompt (opened without prefill) in that
-        pass instead, and returns the prompt tokens still to feed: one call, so the chunk and the others' drafts
-        share a pass (two calls sent together would run one pass each, hetspec/kv.py SharedPasses)."""
+    def verify(self, items: list[VerifyItem]) -> list[VerifyResult | Exception]:
+        """Per item the ids the target commits, or the exception; one pass verifies them all. An item without a
+        draft (None) feeds the next chunk of its session's prompt (opened without prefill) in that pass instead,
+        and its result says the prompt tokens still to feed (``prompt_left``): one call, so the chunk and the
+        others' drafts share a pass (two calls sent together would run one pass each, hetspec.passes.SharedPasses)."""
         def verify(session: _TargetSession, draft: Draft | None):
             if draft is None:
-                return (yield from prefill(session.side.session, session.side.ids, self.prefill_chunk_tokens,
-                                           chunks=1))
+                left = yield from prefill(session.side.session, session.side.ids, self.prefill_chunk_tokens, chunks=1)
+                return VerifyResult([], rows=self.passes.last_rows, prompt_left=left)
             draft = replace(draft, draft_probs=self._draft_probs(draft, session), first_row=0)
             new_ids = yield from session.side.verify(session.algorithm, draft, session.params)
             return VerifyResult(new_ids, logprobs=session.side.step_logprobs, rows=self.passes.last_rows)
 
-        outcomes, seconds = self._run_for([(request_id, (draft,)) for request_id, draft in items], verify)
+        outcomes, seconds = self._run_for([(item.request_id, (item.draft,)) for item in items], verify)
         fed_prompt = self._drain_fed_prompt()
         results = [replace(outcome, seconds=seconds, fed_prompt=fed_prompt) if isinstance(outcome, VerifyResult)
                    else outcome for outcome in outcomes]
-        if any(draft is None for _, draft in items):
+        if any(item.draft is None for item in items):
             self._publish()
         return results
 

@@ -19,42 +19,21 @@ drafts differ, so the output is an equally distributed sample, not the same one.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import copy
-import functools
 import time
 from contextlib import contextmanager
+from enum import Enum
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Awaitable, Callable, Iterator, Protocol
-
-from ray.exceptions import ActorDiedError, RayActorError
+from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 from hetspec.algorithms import Algorithm, Draft
 from hetspec.align import ends_at_character
 from hetspec.decoder import Progress
 from hetspec.output import Stats, StreamEvent
 
-from deployments.load_adaptive import ReplicaLoadAdaptive
-from deployments.sessions import UnknownSession
-from deployments.workers import VerifyResult
-
-
-class Worker(Protocol):
-    """A drafter or target worker reached by method name; the call is running once ``call`` returns."""
-
-    def call(self, method: str, *args) -> Awaitable: ...
-
-    def call_shared(self, method: str, *args) -> Awaitable:
-        """A call on behalf of several requests (a batch): no request's cancellation may cancel it."""
-
-    def call_detached(self, method: str, *args) -> Awaitable:
-        """A call that must happen even if the calling request is being cancelled (closing its sessions).
-
-        Already running when this returns; awaiting the result is optional (the admission waits for closes
-        before it hands the request's slot on, so the actors never hold more sessions than running requests)."""
-
-    def pinned(self) -> "Worker":
-        """This worker as it is now, for one request: it keeps calling the process that holds its sessions."""
+from deployments.errors import UnknownSession, WorkerLost
+from deployments.serving.load_adaptive import ReplicaLoadAdaptive
+from deployments.workers.api import DraftItem, Drafted, VerifyItem, VerifyResult, WorkerClient
 
 
 @dataclass
@@ -86,31 +65,39 @@ class _Speculation:
         self.assumed_candidates = assumed_candidates
         self.table = table
 
-    async def usable(self, new_ids: list[int]) -> tuple[Draft, Draft | None]:
+    async def usable(self, new_ids: list[int]) -> tuple[Drafted, Draft | None]:
         """(the speculative draft, the part of it that continues ``new_ids`` or None on a miss)."""
-        draft: Draft = await self.pending
+        spent: Drafted = await self.pending
+        draft = spent.draft
         bonus = new_ids[-1]
         if new_ids[:-1] != self.assumed_candidates:
-            return draft, None
+            return spent, None
         if draft.candidates:  # a draft of target ids (TLI, SLRS, SD): its first id guessed the bonus token
             if draft.candidates[0] != bonus or len(draft.candidates) == 1:
-                return draft, None
-            return draft, Draft(candidates=draft.candidates[1:], draft_probs=draft.draft_probs,
+                return spent, None
+            return spent, Draft(candidates=draft.candidates[1:], draft_probs=draft.draft_probs,
                                 first_row=draft.first_row + 1)
         bonus_bytes = self.table[bonus] or b""  # a text draft (SLEM): its text must start with the bonus token's
         if draft.texts:  # a tree: the branches that guessed the bonus token
             rest = [text[len(bonus_bytes):] for text in draft.texts
                     if text.startswith(bonus_bytes) and len(text) > len(bonus_bytes)]
-            return draft, Draft(texts=rest) if rest else None
+            return spent, Draft(texts=rest) if rest else None
         if not draft.text.startswith(bonus_bytes) or len(draft.text) == len(bonus_bytes):
-            return draft, None
-        return draft, Draft(text=draft.text[len(bonus_bytes):])
+            return spent, None
+        return spent, Draft(text=draft.text[len(bonus_bytes):])
+
+
+class Phase(Enum):
+    """Which batched worker call a step's item goes in."""
+
+    DRAFT = "draft"
+    VERIFY = "verify"
 
 
 class StepBatches:
     """The draft and verify calls of a replica's decoding requests, gathered into one call per worker and step.
 
-    A worker runs the items of one call in shared passes (deployments/workers.py), so requests that step
+    A worker runs the items of one call in shared passes (deployments/workers/model_workers.py), so requests that step
     together cost one pass per round: the coordinator keeps them in step, as the library's ``BatchDecoder``
     does in process. Each member (a decoding request) is at any moment free (its own work, its client),
     pending (its call waits here) or in flight (in a call sent). A worker's pending calls leave together once
@@ -118,8 +105,8 @@ class StepBatches:
     than ``max_wait_s`` (a slow client) is not waited for. One request alone is never held back.
 
     ``one_model_at_a_time`` (``PipelineConfig``): where drafter and target share a node's cores and run in step
-    (not pipelined), the workers give each call every thread (deployments/workers.py), so a draft call beside a
-    verify call oversubscribes the cores. Two requests that reached different phases (one drafting while the
+    (not pipelined), the workers give each call every thread (deployments/workers/model_workers.py), so a draft call
+    beside a verify call oversubscribes the cores. Two requests that reached different phases (one drafting while the
     other's target prefill ran) send their draft and verify calls together at every step and stay out of
     phase: a batch of ~1 per pass, and drafter passes of 0.26-0.43 s against 0.035 s in step, at 2-4 clients
     (docs/decisions/served-in-step.md). With it, the pending calls of one worker
@@ -134,16 +121,16 @@ class StepBatches:
     FREE, PENDING, IN_FLIGHT = "free", "pending", "in flight"
 
     def __init__(self, max_wait_s: float,
-                 on_batch: Callable[[str, list, list], None] = lambda method, items, outcomes: None,
+                 on_batch: Callable[[Phase, list, list], None] = lambda phase, items, outcomes: None,
                  one_model_at_a_time: bool = False) -> None:
         self.max_wait_s = max_wait_s
         self.one_model_at_a_time = one_model_at_a_time
-        self.on_batch = on_batch  # (method, items, outcomes) of every batched call that came back
+        self.on_batch = on_batch  # (phase, items, outcomes) of every batched call that came back
         self.states: dict[int, str] = {}  # by member id
-        self._pending: dict[tuple[int, str], list] = {}  # (worker, method) -> [(member, item, future)]
-        self._first_pending: dict[tuple[int, str], float] = {}
+        self._pending: dict[tuple[int, Phase], list] = {}  # (worker, phase) -> [(member, item, future, worker)]
+        self._first_pending: dict[tuple[int, Phase], float] = {}
         self._sends = 0  # calls sent so far
-        self._last_sent: dict[tuple[int, str], int] = {}  # (worker, method) -> the count at its last call sent
+        self._last_sent: dict[tuple[int, Phase], int] = {}  # (worker, phase) -> the count at its last call sent
         self._timer: asyncio.TimerHandle | None = None
 
     def join(self, member: object) -> None:
@@ -164,9 +151,10 @@ class StepBatches:
         self.states.pop(id(member), None)
         self._send_ready()
 
-    async def call(self, member: object, worker: "Worker", method: str, item: tuple):
-        """``worker.method([..., item, ...])``'s outcome for ``item``, sent with the other members' items."""
-        key = (id(getattr(worker, "handle", worker)), method)  # pinned copies of one actor share a batch
+    async def call(self, member: object, worker: WorkerClient, phase: Phase, item: DraftItem | VerifyItem):
+        """``worker.draft([..., item, ...])`` or ``worker.verify(...)``'s outcome for ``item``, sent with the other
+        members' items."""
+        key = (worker.identity, phase)  # pinned copies of one actor share a batch
         result = asyncio.get_running_loop().create_future()
         entry = (id(member), item, result, worker)
         self._pending.setdefault(key, []).append(entry)
@@ -208,16 +196,17 @@ class StepBatches:
         self._timer = None
         self._send_ready()
 
-    def _send(self, key: tuple[int, str]) -> None:
+    def _send(self, key: tuple[int, Phase]) -> None:
         entries = self._pending.pop(key)
         self._first_pending.pop(key, None)
         self._sends += 1
         self._last_sent[key] = self._sends
         for member, _, _, _ in entries:
             self.states[member] = self.IN_FLIGHT
-        worker = entries[0][3]
+        worker: WorkerClient = entries[0][3]
+        items = [item for _, item, _, _ in entries]
         try:
-            sent = worker.call_shared(key[1], [item for _, item, _, _ in entries])
+            sent = worker.draft(items) if key[1] is Phase.DRAFT else worker.verify(items)
         except Exception as error:  # e.g. WorkerLost: the worker is being replaced
             sent = asyncio.get_running_loop().create_future()
             sent.set_exception(error)
@@ -230,11 +219,11 @@ class StepBatches:
             self._first_pending[key] = now
         self._send_ready()
 
-    def _distribute(self, method: str, entries: list, done: asyncio.Future) -> None:
+    def _distribute(self, phase: Phase, entries: list, done: asyncio.Future) -> None:
         error = RuntimeError("the batched call was cancelled") if done.cancelled() else done.exception()
         outcomes = [error] * len(entries) if error is not None else done.result()
         if error is None:
-            self.on_batch(method, [item for _, item, _, _ in entries], outcomes)
+            self.on_batch(phase, [item for _, item, _, _ in entries], outcomes)
         for (member, _, result, _), outcome in zip(entries, outcomes):
             if member in self.states:
                 self.states[member] = self.FREE
@@ -255,7 +244,7 @@ class DecodeLoop:
     """
 
     def __init__(self, request_id: str, algorithm: Algorithm, progress: Progress, target_ids: list[int],
-                 target: Worker, drafter: Worker | None, pipelined: bool, batches: StepBatches,
+                 target: WorkerClient, drafter: WorkerClient | None, pipelined: bool, batches: StepBatches,
                  on_step: Callable[[Step], None] = lambda step: None,
                  on_drafter_lost: Callable[[], None] = lambda: None, load_adaptive: ReplicaLoadAdaptive | None = None,
                  prefill_target: bool = False):
@@ -280,12 +269,12 @@ class DecodeLoop:
         self.batches.join(self)
         try:
             # Each chunk goes with the others' verify calls (one target pass feeds them and the chunk), as a joining
-            # prompt does in process (hetspec/decoder.py's BatchDecoder); prefilled at open, it ran beside draft
+            # prompt does in process (hetspec/step.py's BatchDecoder); prefilled at open, it ran beside draft
             # calls. The draft length policy counts it as a row meanwhile, and as drafting once it steps.
             if self.load_adaptive is not None:
                 self.load_adaptive.arrive(self.progress)
-            while self.prefill_target and await self.batches.call(self, self.target, "verify_many",
-                                                                  (self.request_id, None)):
+            while self.prefill_target and (await self.batches.call(self, self.target, Phase.VERIFY,
+                                                                   VerifyItem(self.request_id, None))).prompt_left:
                 pass
             if self.load_adaptive is not None:
                 self.load_adaptive.join(self.progress, lambda: self.progress.draft_length(self.drafter is not None))
@@ -319,16 +308,17 @@ class DecodeLoop:
             if message is None:  # the library's choice between the context lookup and the drafter (no model)
                 message = self.progress.lookup_draft(self.target_ids, self.drafter is not None)
             if drafts and message is None:
-                message = await self._from_drafter(self._draft(committed, k, self.progress.position))
-                if message is not None:
-                    self._count_draft(message)
-                    drafter_seconds += message.seconds
+                drafted = await self._from_drafter(self._draft(committed, k, self.progress.position))
+                if drafted is not None:
+                    self._count_draft(drafted)
+                    drafter_seconds += drafted.seconds
+                    message = drafted.draft
             message = message or Draft()  # no draft: the target commits its own next token
             tick = time.perf_counter()
             message = self._align(message)
             alignment_seconds = time.perf_counter() - tick
-            verifying = asyncio.ensure_future(self.batches.call(self, self.target, "verify_many",
-                                                                (self.request_id, message)))
+            verifying = asyncio.ensure_future(self.batches.call(self, self.target, Phase.VERIFY,
+                                                                VerifyItem(self.request_id, message)))
             # a tree's accepted branch is not known ahead of verification: nothing to assume, no speculation
             speculating = self.pipelined and message.tree is None
             speculation = self._speculate(committed, message.candidates, remaining, cap) if speculating else None
@@ -381,14 +371,14 @@ class DecodeLoop:
         """A drafter call with the next draft round: a missed speculative draft's tokens can stay in the drafter's
         context (``DrafterContext.sync``), so the draft that replaces it must not reuse its random numbers.
         A speculative draft goes at once, alone (this request is verifying: it is not in the draft step)."""
-        item = (self.request_id, committed, k, first_position, self.progress.next_round())
-        if speculative:  # shared: a cancelled request must not cancel a drafter call holding its session
-            return _first(self.drafter.call_shared("draft_many", [item]))
-        return self.batches.call(self, self.drafter, "draft_many", item)
+        item = DraftItem(self.request_id, committed, k, first_position, self.progress.next_round())
+        if speculative:  # a batch call: a cancelled request must not cancel a drafter call holding its session
+            return _first(self.drafter.draft([item]))
+        return self.batches.call(self, self.drafter, Phase.DRAFT, item)
 
-    def _count_draft(self, message: Draft) -> None:
-        self.stats.drafter_forwards += message.drafter_forwards
-        self.stats.drafter_seconds += message.seconds
+    def _count_draft(self, drafted: Drafted) -> None:
+        self.stats.drafter_forwards += drafted.draft.drafter_forwards
+        self.stats.drafter_seconds += drafted.seconds
 
     def _account(self, message: Draft, result: VerifyResult, drafter_seconds: float,
                  alignment_seconds: float, outcome: str | None) -> StreamEvent:
@@ -406,99 +396,9 @@ class DecodeLoop:
         return event
 
 
-class LocalWorker:
-    """A worker object in this process, called on a thread (tests; the Serve app uses actors)."""
-
-    def __init__(self, worker) -> None:
-        self.worker = worker
-
-    def call(self, method: str, *args) -> Awaitable:
-        # run_in_executor starts the call now, like an actor call, even if nobody awaits it (a close)
-        return asyncio.get_running_loop().run_in_executor(None, functools.partial(getattr(self.worker, method), *args))
-
-    def call_shared(self, method: str, *args) -> Awaitable:
-        return self.call(method, *args)
-
-    def call_detached(self, method: str, *args) -> Awaitable:
-        # shielded: a cancelled waiter (the loop shutting down, asyncio.run's end) must not cancel a close still
-        # queued for a thread, which then never ran and left the request's KV rows taken
-        return asyncio.shield(self.call(method, *args))
-
-    def pinned(self) -> "LocalWorker":
-        return self
-
-
-class WorkerLost(RuntimeError):
-    """The drafter or target actor died (or is unreachable) during a call; the client may retry."""
-
-    def __init__(self, role: str):
-        super().__init__(f"the {role} actor is gone (its process or node died); this request is lost, the pipeline "
-                         "is being rebuilt: retry")
-        self.role = role
-
-    def __reduce__(self):  # it crosses process boundaries (replica -> proxy) pickled
-        return WorkerLost, (self.role,)
-
-
-class ActorWorker:
-    """A worker Ray actor: a direct actor call (~1 ms) per step, no Serve handle hop (~3 ms).
-
-    ``handle`` is replaced when the actor is (``deployments.actors``); while a replacement starts the worker
-    is not ``available`` and calls fail at once. A call that finds the actor dead raises ``WorkerLost`` and
-    reports the loss through ``on_lost``.
-    """
-
-    def __init__(self, role: str, handle=None, on_lost: Callable[[str], None] = lambda role: None) -> None:
-        self.role = role
-        self.handle = handle
-        self.on_lost = on_lost
-        self.available = True
-
-    def pinned(self) -> "ActorWorker":
-        if not self.available:
-            raise WorkerLost(self.role)
-        return ActorWorker(self.role, self.handle, self.on_lost)
-
-    def call(self, method: str, *args) -> Awaitable:
-        if not self.available:
-            raise WorkerLost(self.role)
-        task = asyncio.ensure_future(self._result(getattr(self.handle, method).remote(*args)))
-        task.add_done_callback(_retrieve)  # a dropped speculative draft's failure is not worth a warning
-        return task
-
-    def call_shared(self, method: str, *args) -> Awaitable:
-        # Ray cancels every actor call a cancelled task made (recursively), a running one included: a batch
-        # call made from one request's task would go with that request. Made from an empty context, it
-        # belongs to no task (as call_detached below).
-        if not self.available:
-            raise WorkerLost(self.role)
-        ref = contextvars.Context().run(getattr(self.handle, method).remote, *args)
-        task = asyncio.ensure_future(self._result(ref))
-        task.add_done_callback(_retrieve)
-        return task
-
-    async def _result(self, ref):
-        try:
-            return await ref
-        except RayActorError as error:
-            if isinstance(error, ActorDiedError):
-                self.on_lost(self.role)
-            raise WorkerLost(self.role) from error
-
-    def call_detached(self, method: str, *args) -> Awaitable:
-        # Ray cancels every call a cancelled task made, recursively, even one made while it unwinds; a call
-        # made from an empty context belongs to no task (what Serve's own long-poll client does).
-        return contextvars.Context().run(getattr(self.handle, method).remote, *args)
-
-
 async def _first(call: Awaitable):
     """The only outcome of a one-item batch call (raised if it is an exception)."""
     [outcome] = await call
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()

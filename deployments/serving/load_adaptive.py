@@ -2,7 +2,7 @@
 
 In process, one ``BatchDecoder`` step chooses the draft length of every request of the step at once and is timed
 whole. A replica's requests run their steps on their own tasks, kept in step by ``StepBatches``
-(deployments/pipeline.py), so here the steps are counted in rounds: a request asking again starts a new round,
+(deployments/serving/pipeline.py), so here the steps are counted in rounds: a request asking again starts a new round,
 whose cap is chosen over the replica's running requests as they stand then, and every request asking within the
 round gets that cap (the policy's probes and its exploring steps then count steps, as in process, not requests).
 A round is measured as a step is: its seconds run from its start to the next round's (both models' calls and the
@@ -23,6 +23,8 @@ import time
 from typing import Any, Callable
 
 from hetspec.adaptive import LoadAdaptive
+
+from deployments.workers.api import Drafted, VerifyResult
 
 
 class _Round:
@@ -100,10 +102,11 @@ class ReplicaLoadAdaptive:
         for a while (the coordinator then leaves its drafter prefill to its first draft)."""
         return not (self.running and self.round is not None and self.round.cap == 0)
 
-    def on_batch(self, method: str, items: list[tuple], outcomes: list[Any]) -> None:
+    def on_batch(self, phase: Any, items: list, outcomes: list[Any]) -> None:
         """A batched call came back (``StepBatches``): a round whose call fed a prompt's chunk is not measured.
-        ``verify_many`` answers an item that fed a chunk of its prompt with the prompt tokens left (an int);
-        ``VerifyResult.fed_prompt`` and ``Draft.fed_prompt`` say a pass of the call fed one."""
-        if self.round is not None and any(isinstance(outcome, int) or getattr(outcome, "fed_prompt", False)
+        A verify item without a draft fed a chunk of its prompt (its result has no new ids);
+        ``VerifyResult.fed_prompt`` and ``Drafted.fed_prompt`` say a pass of the call fed one."""
+        if self.round is not None and any(isinstance(outcome, (VerifyResult, Drafted)) and outcome.fed_prompt
+                                          or isinstance(outcome, VerifyResult) and not outcome.new_ids
                                           for outcome in outcomes):
             self.round.priced = False
