@@ -135,7 +135,11 @@ def _private_cluster(nodes: Sequence[dict], metrics_ports: Sequence[int]) -> tup
 
     address_file = Path(get_ray_address_file(None))
     previous = address_file.read_text() if address_file.exists() else None
-    cluster = Cluster(initialize_head=True, head_node_args={**nodes[0], "metrics_export_port": metrics_ports[0]})
+    # the dashboard (and the state API behind ``ray list actors``) on a free port: Ray's default 8265 held by
+    # another instance on this machine leaves this one without a dashboard (Ray only logs the failed bind)
+    cluster = Cluster(initialize_head=True, head_node_args={**nodes[0], "metrics_export_port": metrics_ports[0],
+                                                            "dashboard_host": "127.0.0.1",
+                                                            "dashboard_port": free_port()})
     if previous is None:
         address_file.unlink(missing_ok=True)
     else:
