@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from hetspec import SamplingParams, SpeculationConfig
+from deployments.workers.api import OpenSession
 from serve_fixtures import in_process_coordinator
 
 
@@ -21,7 +22,8 @@ def test_worker_repr_names_its_model_and_counts_its_live_sessions(gemma, smollm)
                    r"kv_reserved_bytes=(\d+), actor=[0-9a-f]{{8}}\)")
         idle = re.fullmatch(pattern.format(sessions=0), repr(target))
         assert idle, repr(target)
-        target.open("r1", gemma.encode_prompt("def fibonacci(n):\n"), "ar", SpeculationConfig(), SamplingParams())
+        target.open(OpenSession("r1", gemma.encode_prompt("def fibonacci(n):\n"), "ar", SpeculationConfig(),
+                                SamplingParams()))
         busy = re.fullmatch(pattern.format(sessions=1), repr(target))
         assert busy, repr(target)
         assert int(busy[1]) == target.model.kv_pool.reserved_bytes > 0  # the session's row, at least
