@@ -155,6 +155,7 @@ def _traffic(app, prometheus_url: str) -> None:
     import ray
     from ray import serve
 
+    from deployments.workers.api import OpenSession
     from hetspec import SamplingParams, SpeculationConfig
 
     # 1. every counter and histogram exists (and is scraped) before the traffic whose rates are charted
@@ -172,8 +173,8 @@ def _traffic(app, prometheus_url: str) -> None:
                                                                     temperature=0.0), timeout=300)
         over_budget = _complete(app, 256)
         assert over_budget.status_code == 429 and "server_busy" in over_budget.text, over_budget.text
-        ray.get(handles["target"].open.remote(f"orphan-{uuid.uuid4().hex[:8]}", [2, 3, 4, 5], "ar",
-                                              SpeculationConfig(), SamplingParams(), False))
+        ray.get(handles["target"].open.remote(OpenSession(f"orphan-{uuid.uuid4().hex[:8]}", [2, 3, 4, 5], "ar",
+                                                          SpeculationConfig(), SamplingParams(), prefill_now=False)))
         for stream in streams:
             assert stream.result(timeout=300)[-1]["choices"][0]["finish_reason"] == "length"
         answered = grpc_answer.result(timeout=300)
