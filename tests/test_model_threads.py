@@ -220,6 +220,6 @@ def test_a_shut_down_worker_frees_its_sessions_and_ends_every_thread_it_started_
     deadline = time.monotonic() + 10
     while _os_threads() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _os_threads() == before
+    assert _os_threads() <= before  # every thread it started has ended (another may have ended meanwhile)
     with pytest.raises(RuntimeError, match="stopped"):
         worker.model_threads.run(lambda: None)
