@@ -268,8 +268,13 @@ def file_errors(path: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     sys.path.insert(0, str(REPO_ROOT))  # deployments.config, when run as a script
-    paths = [Path(arg) for arg in argv] or sorted(Path(__file__).parent.glob("*.yaml"))
-    problems = [problem for path in paths for problem in file_errors(path)]
+    return report([Path(arg) for arg in argv] or sorted(Path(__file__).parent.glob("*.yaml")), file_errors)
+
+
+def report(paths: list[Path], errors_of) -> int:
+    """Print each file's problems (``errors_of(path)``) and a count; the exit status (also for
+    cluster/prometheus/validate.py)."""
+    problems = [problem for path in paths for problem in errors_of(path)]
     for problem in problems:
         print(problem, file=sys.stderr)
     print(f"{len(paths)} manifest(s), {len(problems)} problem(s)")

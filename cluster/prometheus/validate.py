@@ -68,12 +68,7 @@ def file_errors(path: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    paths = [Path(arg) for arg in argv] or [HERE / "podmonitor.yaml"]
-    problems = [problem for path in paths for problem in file_errors(path)]
-    for problem in problems:
-        print(problem, file=sys.stderr)
-    print(f"{len(paths)} manifest(s), {len(problems)} problem(s)")
-    return 1 if problems else 0
+    return _kuberay_validate().report([Path(arg) for arg in argv] or [HERE / "podmonitor.yaml"], file_errors)
 
 
 if __name__ == "__main__":
