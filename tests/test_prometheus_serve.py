@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -74,20 +73,6 @@ def wait_for(prometheus_url: str, expression: str, timeout_s: float = 120.0) -> 
         assert time.monotonic() < deadline, f"no data for {expression} after {timeout_s} s"
         time.sleep(1.0)
     return samples
-
-
-@contextmanager
-def environment(**values: str):
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextmanager
@@ -206,13 +191,14 @@ def observed(tmp_path_factory):
                                     "session_idle_timeout_s": SESSION_IDLE_TIMEOUT_S},
                           limits={"default_max_new_tokens": 16, "kv_cache_bytes": KV_BUDGET})
     folder = tmp_path_factory.mktemp("prometheus")
-    # Ray's agents export every second (10 s by default): the test waits less for its series
-    with (environment(RAY_metrics_report_interval_ms="1000"), serve_app(args) as app,
-          running_prometheus(app.metrics_urls, folder) as prometheus_url):
-        before = _stats(app)
-        _traffic(app, prometheus_url)
-        with _trickle(app):
-            yield Observed(app, prometheus_url, before["replica"], [before["drafter"]["actor"]])
+    with pytest.MonkeyPatch.context() as patch:
+        # Ray's agents export every second (10 s by default): the test waits less for its series
+        patch.setenv("RAY_metrics_report_interval_ms", "1000")
+        with serve_app(args) as app, running_prometheus(app.metrics_urls, folder) as prometheus_url:
+            before = _stats(app)
+            _traffic(app, prometheus_url)
+            with _trickle(app):
+                yield Observed(app, prometheus_url, before["replica"], [before["drafter"]["actor"]])
 
 
 @contextmanager
