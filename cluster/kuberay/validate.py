@@ -259,11 +259,14 @@ def manifest_errors(manifest: dict) -> list[str]:
     return problems
 
 
-def file_errors(path: Path) -> list[str]:
+def file_errors(path: Path, errors_of=None) -> list[str]:
+    """Each YAML document's problems by ``errors_of`` (this file's ``manifest_errors`` unless given; also the
+    checker of cluster/prometheus/validate.py)."""
+    errors_of = errors_of or manifest_errors
     documents = [document for document in yaml.safe_load_all(path.read_text()) if document]
     if not documents:
         return [f"{path}: no YAML document"]
-    return [f"{path}: {problem}" for document in documents for problem in manifest_errors(document)]
+    return [f"{path}: {problem}" for document in documents for problem in errors_of(document)]
 
 
 def main(argv: list[str]) -> int:

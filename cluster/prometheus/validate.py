@@ -61,10 +61,7 @@ def manifest_errors(manifest: dict) -> list[str]:
 
 
 def file_errors(path: Path) -> list[str]:
-    documents = [document for document in yaml.safe_load_all(path.read_text()) if document]
-    if not documents:
-        return [f"{path}: no YAML document"]
-    return [f"{path}: {problem}" for document in documents for problem in manifest_errors(document)]
+    return _kuberay_validate().file_errors(path, manifest_errors)
 
 
 def main(argv: list[str]) -> int:
