@@ -31,3 +31,10 @@ def test_worker_repr_names_its_model_and_counts_its_live_sessions(gemma, smollm)
         assert re.fullmatch(pattern.format(sessions=0), repr(target))
         assert repr(drafter).startswith("DrafterWorker(model=smollm2-135m, dtype=float32, device=cpu, "
                                         "kv_sessions=0/16, ")
+
+
+def test_a_worker_whose_load_failed_has_a_repr():
+    """Ray takes the repr of an actor whose __init__ raised: it must not hide the load's error behind its own."""
+    from deployments.workers.model_workers import TargetWorker
+
+    assert repr(TargetWorker.__new__(TargetWorker)) == "TargetWorker(not loaded)"

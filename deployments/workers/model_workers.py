@@ -120,6 +120,8 @@ class _Worker:
     def __repr__(self) -> str:
         """What the Ray dashboard and ``ray list actors --detail`` show as the actor's ``repr_name`` (Ray takes it once,
         when the actor has started: live counts are in ``stats`` and the metrics)."""
+        if "model" not in vars(self):  # Ray asks for the repr of an actor whose __init__ raised (a failed load)
+            return f"{type(self).__name__}(not loaded)"
         dtype = getattr(self.model.model, "dtype", None)  # a transformers model's compute dtype
         return (f"{type(self).__name__}(model={self.model.name}, dtype={str(dtype).removeprefix('torch.')}, "
                 f"device={self.model.device}, kv_sessions={len(self.sessions)}/{self.sessions.max_sessions}, "
