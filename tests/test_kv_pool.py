@@ -90,3 +90,12 @@ def test_over_its_budget_the_pool_shrinks_when_any_session_leaves():
     assert (pool.rows, pool.capacity) == (2, 60) and pool.reserved_bytes <= pool.budget_bytes
     second.release()
     assert pool.reserved_bytes == 0
+
+
+def test_the_replicas_budget_is_shared_by_the_models_bytes_per_token():
+    from deployments.workers.actors import kv_budget_shares
+
+    # gemma3-270m and smollm2-135m in float32: 36,864 and 46,080 bytes a token
+    shares = kv_budget_shares(83_000_000, {"target": 36_864, "drafter": 46_080})
+    assert shares == {"target": 36_888_888, "drafter": 46_111_111} and sum(shares.values()) <= 83_000_000
+    assert kv_budget_shares(None, {"target": 36_864, "drafter": 46_080}) == {"target": None, "drafter": None}

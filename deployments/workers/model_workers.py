@@ -135,6 +135,11 @@ class _Worker:
     def ping(self) -> str:
         return self.actor_id
 
+    def set_kv_budget(self, budget_bytes: int | None) -> None:
+        """The most bytes this model's KV buffers grow to by doubling (hetspec/kv.py ``KVPool.budget_bytes``): its
+        share of the replica's limits.kv_cache_bytes (deployments/workers/actors.py); None: no bound."""
+        self.model.kv_pool.budget_bytes = budget_bytes
+
     def node_id(self) -> str | None:
         try:
             import ray
