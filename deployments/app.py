@@ -59,6 +59,7 @@ class HetSpecServer:
         user_config; raising ``InvalidUserConfig`` fails that replica's update with the message."""
         config = with_user_config(self.args, user_config)
         self.coordinator.reconfigure(config)
+        self.pipeline.set_kv_budget(config.limits.kv_cache_bytes)  # the actors' KV pools follow the budget
         log.info("reconfigured: speculation %s; limits %s", config.speculation.model_dump(),
                  config.limits.model_dump())
 

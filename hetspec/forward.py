@@ -48,8 +48,8 @@ def forward(language_model: PassModel, feeds: list[Feed], packed: bool | None = 
     counts = [len(feed.token_ids) for feed in feeds]
     if packed is None:
         packed = len(feeds) * max(counts) > PACK_ABOVE_PADDING * sum(counts)
-    pool.reserve(max(feed.session.row for feed in feeds) + 1,
-                 max(feed.session.length for feed in feeds) + max(counts))
+    # each row's cached tokens and the pass's widest feed: a padded pass writes that far in every row (padding)
+    pool.reserve_rows({feed.session.row: feed.session.length + max(counts) for feed in feeds})
     layout = (layouts.packed if packed else layouts.padded)(pool, feeds)
     device = pool.device
     kept = layout.logits_to_keep if isinstance(layout.logits_to_keep, int) else layout.logits_to_keep.to(device)

@@ -18,8 +18,12 @@ Sliding-window layers (Gemma 3) keep every slot too: the mask hides keys ``slidi
 positions behind the query, as the model's own mask does, so a rollback is possible at any length.
 The price is memory that grows with the context instead of being capped at the window.
 
-Capacity (slots per row) and rows grow by doubling (one copy, amortized); the buffers are freed when the
-last session closes. Memory per token: ``bytes_per_token``; per request: ``KVSession.nbytes``.
+Capacity (slots per row) and rows grow by doubling (one copy, amortized), but never past the pool's
+``budget_bytes`` by doubling: near it they grow to what the budget allows, beyond it exactly to what the passes
+need. Every row is as wide as the widest, so a long request widens the short ones' rows too: when a session
+leaves and the rows still taken need at most half the buffers (or the buffers exceed the budget), they shrink to
+those rows' need (one copy of the remaining rows), and the buffers are freed when the last session closes.
+Memory per token: ``bytes_per_token``; per request: ``KVSession.nbytes``; the pool's: ``reserved_bytes``.
 
 This module is the storage alone: which row a request holds and how long it is. A pass over rows is
 ``hetspec.forward``, the scheduling of many computations' passes ``hetspec.passes``, a prompt's chunks
@@ -89,6 +93,12 @@ class KVPool:
         self.rows = 0
         self.capacity = 0
         self.taken: set[int] = set()
+        # per taken row, the slots its latest pass reserved (its cached tokens and that pass's writes): a shrink
+        # keeps them all; a row not fed yet needs none
+        self.needs: dict[int, int] = {}
+        # most bytes the buffers may take by doubling (None: no bound); the server sets it from its KV budget
+        self.budget_bytes: int | None = None
+        self.reallocations = 0  # times the buffers were allocated anew (growth or shrink: each copies the rows held)
         self.guard = _SharedExclusive()
         self._rows_lock = threading.Lock()
 
@@ -112,35 +122,72 @@ class KVPool:
     def give_row(self, row: int) -> None:
         with self._rows_lock:
             self.taken.discard(row)
-            empty = not self.taken
-        if empty:
-            # the check and the free under the rows lock too: a row taken between them (a request opening as the
-            # last one closes) found the buffers still there (``reserve`` returned at once), then lost them, and
-            # its pass failed with an IndexError
+            self.needs.pop(row, None)
+            resize = not self.taken or self._shrunk() is not None
+        if resize:
+            # the check and the resize under the rows lock too: a row taken between them (a request opening as the
+            # last one closes) found the buffers still there (``reserve`` returned at once), then lost them, and its
+            # pass failed with an IndexError; a pass records its needs under it (``reserve_rows``), so a shrink
+            # keeps every slot a pass about to run was promised
             with self.guard.exclusive(), self._rows_lock:
                 if not self.taken:  # nobody took a row meanwhile: free the memory
                     self.keys, self.values, self.rows, self.capacity = [], [], 0, 0
+                elif (shape := self._shrunk()) is not None:
+                    self._reallocate(*shape)
+
+    def _shrunk(self) -> tuple[int, int] | None:
+        """(rows, capacity) of the rows still taken at the widest one's need, if that at least halves the buffers
+        or they exceed the budget (the longest session has left); else None. Under the rows lock."""
+        rows = max(self.taken) + 1
+        capacity = max(self.needs.get(row, 0) for row in self.taken)
+        smaller = rows * capacity * self.bytes_per_token
+        over_budget = self.budget_bytes is not None and self.reserved_bytes > self.budget_bytes
+        if smaller < self.reserved_bytes and (2 * smaller <= self.reserved_bytes or over_budget):
+            return rows, capacity
+        return None
+
+    def reserve_rows(self, needs: dict[int, int]) -> None:
+        """Slots ``needs[row]`` in each row (row -> its cached tokens plus what the pass writes), recorded so that
+        a shrink keeps them; grows the buffers where they lack (``reserve``)."""
+        with self._rows_lock:
+            self.needs.update(needs)
+        self.reserve(max(needs) + 1, max(needs.values()))
 
     @torch.inference_mode()
     def reserve(self, rows: int, capacity: int) -> None:
-        """At least ``rows`` rows of ``capacity`` slots; growth doubles and copies the used buffers once."""
+        """At least ``rows`` rows of ``capacity`` slots. Growth doubles (one copy of the used buffers each time),
+        but not past ``budget_bytes``: near it to what the budget allows, beyond it exactly to ``rows`` x
+        ``capacity`` (the budget is the server's to keep, by admission; a pass never fails for it)."""
         if rows <= self.rows and capacity <= self.capacity:
             return
         with self.guard.exclusive():
-            new_rows = max(self.rows, rows if rows <= self.rows else max(rows, 2 * self.rows))
-            new_capacity = max(self.capacity, capacity if capacity <= self.capacity else max(capacity, 2 * self.capacity, 64))
-            if new_rows == self.rows and new_capacity == self.capacity:
+            rows, capacity = max(self.rows, rows), max(self.capacity, capacity)
+            if rows == self.rows and capacity == self.capacity:
                 return
-            shape = (new_rows, self.kv_heads, new_capacity, self.head_dim)
+            new_rows = rows if rows == self.rows else max(rows, 2 * self.rows)
+            new_capacity = capacity if capacity == self.capacity else max(capacity, 2 * self.capacity, 64)
+            if self.budget_bytes is not None and new_rows * new_capacity * self.bytes_per_token > self.budget_bytes:
+                # near the budget: rows exactly, the slots as many as the budget leaves (at least those needed)
+                new_rows = rows
+                allowed = self.budget_bytes // (new_rows * self.bytes_per_token)
+                new_capacity = max(capacity, min(new_capacity, allowed))
+            self._reallocate(new_rows, new_capacity)
+
+    def _reallocate(self, rows: int, capacity: int) -> None:
+        """Buffers of ``rows`` x ``capacity`` holding the old ones' slots that fit. Holds the guard exclusively."""
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        kept_rows, kept_slots = min(rows, self.rows), min(capacity, self.capacity)
+        with torch.inference_mode():
             for buffers in (self.keys, self.values):
                 old = list(buffers) or [None] * self.layers
                 buffers.clear()
                 for previous in old:
                     grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
                     if previous is not None:
-                        grown[:previous.shape[0], :, :previous.shape[2]] = previous
+                        grown[:kept_rows, :, :kept_slots] = previous[:kept_rows, :, :kept_slots]
                     buffers.append(grown)
-            self.rows, self.capacity = new_rows, new_capacity
+        self.rows, self.capacity = rows, capacity
+        self.reallocations += 1
 
 
 @dataclass

@@ -164,6 +164,20 @@ def test_sync_writes_the_pods_environment_from_deployments_cpu_env():
         assert env["HF_HUB_OFFLINE"] == "1" and (group is cluster["headGroupSpec"] or "HETSPEC_API_KEY" in env)
 
 
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_every_pod_sets_the_proxys_key_check_and_grpc_message_bound_as_the_local_server_does(name):
+    """Serve's proxies run in the pods: the API key checked before routing (deployments/proxy.py) needs the callback
+    and the key in their environment, the gRPC bound its variable (deployments/tools/local_serve.py sets both)."""
+    from deployments.config import GRPC_MAX_MESSAGE_BYTES
+
+    cluster = _rayservice(name)["spec"]["rayClusterConfig"]
+    for group in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"]):
+        env = _env(group)
+        assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == "deployments.proxy:proxy_middlewares"
+        assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(GRPC_MAX_MESSAGE_BYTES)
+        assert "HETSPEC_API_KEY" in env  # from the Secret
+
+
 # ---- negative cases: the validator must catch typos and wrong types ----------------------------------
 
 WORKER = ("spec", "rayClusterConfig", "workerGroupSpecs", 0)

@@ -46,10 +46,10 @@ class TestAdmission:
             with pytest.raises(Overloaded, match="kv_cache_bytes") as raised:
                 admission.admit(1001)  # more than the whole budget: never, not even alone
             assert raised.value.retry_after_s == 2 and admission.rejected == 1
-            big = admission.admit(600)
-            small = admission.admit(300)  # 900 of 1000: both run
-            assert (admission.running, admission.kv_bytes) == (2, 900)
-            blocked = admission.admit(200)  # would make 1100: waits
+            big = admission.admit(400)
+            small = admission.admit(300)  # rows as wide as the widest (hetspec/kv.py): 2 x 400 of 1000, both run
+            assert (admission.running, admission.kv_bytes) == (2, 800)
+            blocked = admission.admit(200)  # 3 x 400 = 1200 (their sum, 900, would fit): waits
             behind = admission.admit(50)  # would fit, but first come first served: waits behind it
             assert (blocked.holds_slot, behind.holds_slot, admission.waiting) == (False, False, 2)
             with pytest.raises(Overloaded, match="max_waiting_requests"):
@@ -57,7 +57,7 @@ class TestAdmission:
             big.release()
             await blocked.wait()
             await behind.wait()
-            assert (admission.running, admission.kv_bytes, admission.waiting) == (3, 550, 0)
+            assert (admission.running, admission.kv_bytes, admission.waiting) == (3, 900, 0)  # 3 x 300
             for ticket in (small, blocked, behind):
                 ticket.release()
             assert (admission.running, admission.kv_bytes) == (0, 0)
@@ -67,12 +67,12 @@ class TestAdmission:
     def test_a_large_request_leaving_the_head_of_the_line_lets_the_next_in(self):
         async def scenario():
             admission = Admission(max_running=8, max_waiting=2, retry_after_s=1, kv_budget=1000)
-            holder = admission.admit(700)
+            holder = admission.admit(400)
             large = admission.admit(900)
             small = admission.admit(100)
             large.release()  # e.g. its client went away while in line
             await asyncio.wait_for(small.wait(), 1)
-            assert (admission.running, admission.kv_bytes) == (2, 800)
+            assert (admission.running, admission.kv_bytes) == (2, 800)  # 2 x 400
             holder.release()
             small.release()
             assert (admission.running, admission.kv_bytes) == (0, 0)

@@ -444,9 +444,14 @@ class _NoActors:
     def __init__(self, target_info, drafter_info):
         self.target = self.drafter = None
         self.target_info, self.drafter_info = target_info, drafter_info
+        self.kv_budgets: list[int | None] = []
 
     async def start(self) -> None:
         pass
+
+    def set_kv_budget(self, kv_cache_bytes: int | None) -> list:  # the actors' calls are not awaited
+        self.kv_budgets.append(kv_cache_bytes)
+        return []
 
 
 def test_reconfigure_applies_to_new_requests_only_and_refuses_what_needs_a_redeploy(gemma, smollm):
@@ -468,7 +473,9 @@ def test_reconfigure_applies_to_new_requests_only_and_refuses_what_needs_a_redep
         before = coordinator.prepare(request)
         running = coordinator.admit("http", before)
         server.reconfigure({"speculation": {"draft_tokens": 2}, "limits": {"max_running_requests": 1,
-                                                                           "request_timeout_s": 30}})
+                                                                           "request_timeout_s": 30,
+                                                                           "kv_cache_bytes": 10**9}})
+        assert server.pipeline.kv_budgets == [10**9]  # the actors' KV pools follow the budget
         after = coordinator.prepare(request)
         assert (before.speculation.draft_tokens, after.speculation.draft_tokens) == (4, 2)
         assert after.deadline < before.deadline  # 30 s from now against the 300 s the first one started with

@@ -2,7 +2,8 @@
 
 At most ``max_running`` requests decode at once (each holds a KV session in the drafter and the target),
 and with a ``kv_budget`` only as many as their KV caches fit in it: each request counts the bytes its
-prompt and max_new_tokens need in both models. Up to ``max_waiting`` more wait, first come first served
+prompt and max_new_tokens need in both models, and since a model's KV rows are all as wide as its widest
+(hetspec/kv.py), the running requests cost their number times the widest one's bytes, not the sum. Up to ``max_waiting`` more wait, first come first served
 (the first in line waits for room even if a smaller one behind it would fit: no starvation); any further
 request, or one that alone exceeds the budget, is turned away at once with ``Overloaded`` (HTTP 429 / gRPC
 RESOURCE_EXHAUSTED, with a Retry-After hint), so a burst never piles up unbounded work or opens sessions
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Awaitable, Callable, Iterable
 
 from deployments.errors import Overloaded, RequestTimeout
@@ -120,7 +121,7 @@ class Admission:
         self.retry_after_s = retry_after_s
         self.kv_budget = kv_budget
         self.running = 0  # slots held (tickets admitted, or handed a slot and not yet released)
-        self.kv_bytes = 0  # KV bytes the running requests count on
+        self._widths: Counter[int] = Counter()  # the running requests' KV bytes, each alone
         self.rejected = 0  # requests turned away since start
         # Slots of requests that have ended but whose sessions are still closing. Serve's router counts such a
         # request gone already and may send the next one (max_ongoing_requests = running + waiting): the line
@@ -132,6 +133,20 @@ class Admission:
     @property
     def waiting(self) -> int:
         return len(self._line)
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV memory the running requests may make the actors reserve: their number times the widest one's
+        bytes (every row of a model's pool is as wide as its widest, hetspec/kv.py)."""
+        return self._cost(0, 0)
+
+    def _cost(self, more: int, kv_bytes: int) -> int:
+        """The running requests' KV bytes with ``more`` more of ``kv_bytes`` each: all as wide as the widest."""
+        return (self.running + more) * max(max(self._widths, default=0), kv_bytes)
+
+    def _start(self, kv_bytes: int) -> None:
+        self.running += 1
+        self._widths[kv_bytes] += 1
 
     async def closes_done(self) -> None:
         """Until every finished request's session closes have answered (or timed out) and its slot is free.
@@ -156,7 +171,7 @@ class Admission:
             return False
         # Alone, a request always fits: admit() turns away any above the budget, so one in line that is was
         # admitted before the budget was lowered (resize), and it must not wait forever at the head of the line.
-        return self.kv_budget is None or self.running == 0 or self.kv_bytes + kv_bytes <= self.kv_budget
+        return self.kv_budget is None or self.running == 0 or self._cost(1, kv_bytes) <= self.kv_budget
 
     def admit(self, kv_bytes: int = 0) -> Ticket:
         """A ticket, or ``Overloaded`` when every running slot and every place in line is taken (or the
@@ -167,8 +182,7 @@ class Admission:
                              f"than this replica's whole budget of {self.kv_budget} (limits.kv_cache_bytes): "
                              "ask for fewer max_new_tokens or a shorter prompt", self.retry_after_s)
         if not self._line and self._fits(kv_bytes):
-            self.running += 1
-            self.kv_bytes += kv_bytes
+            self._start(kv_bytes)
             self.on_change()
             return Ticket(self, None, kv_bytes)
         if len(self._line) >= self.max_waiting + self.closing:
@@ -184,7 +198,9 @@ class Admission:
     def _free(self, ticket: Ticket) -> None:
         """A running request ended: its room goes to the first in line while they fit."""
         self.running -= 1
-        self.kv_bytes -= ticket.kv_bytes
+        self._widths[ticket.kv_bytes] -= 1
+        if not self._widths[ticket.kv_bytes]:
+            del self._widths[ticket.kv_bytes]
         self._hand_room()
         self.on_change()
 
@@ -200,6 +216,5 @@ class Admission:
         while self._line and self._fits(self._line[0].kv_bytes):
             waiting = self._line.popleft()
             if not waiting._turn.done():
-                self.running += 1
-                self.kv_bytes += waiting.kv_bytes
+                self._start(waiting.kv_bytes)
                 waiting._turn.set_result(None)

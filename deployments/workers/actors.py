@@ -29,6 +29,14 @@ log = logging.getLogger("ray.serve")
 BUNDLES = {"drafter": 1, "target": 2}  # bundle 0 is the replica's own
 
 
+def kv_budget_shares(kv_cache_bytes: int | None, bytes_per_token: dict[str, int]) -> dict[str, int | None]:
+    """Each model's part of the replica's KV budget (limits.kv_cache_bytes), by its KV bytes per token: admission
+    counts a request's tokens in both models, so the two pools grow to the budget together. None: no bound."""
+    per_token = sum(bytes_per_token.values())
+    return {role: None if kv_cache_bytes is None or not per_token else kv_cache_bytes * size // per_token
+            for role, size in bytes_per_token.items()}
+
+
 def actor_name(role: str, generation: int = 1) -> str | None:
     """The Ray actor name of this replica's ``role`` actor: application, deployment, replica and role, in the
     way Serve names its replica actors (``SERVE_REPLICA::hetspec#HetSpecServer#<replica>``), e.g.
@@ -78,6 +86,7 @@ class ActorPipeline:
         self.target_info: ModelInfo | None = None
         self.drafter_info: ModelInfo | None = None
         self._replacing: dict[str, asyncio.Task] = {}
+        self.kv_cache_bytes = config.limits.kv_cache_bytes  # the budget the actors' KV pools are given
         self.generations = {"target": 0, "drafter": 0}  # actors started per role: 1, then one more per replacement
 
     def _new_actor(self, role: str):
@@ -110,7 +119,16 @@ class ActorPipeline:
                 model = self.config.target if role == "target" else self.config.drafter
                 raise ModelLoadFailed(role, model.model, _reason(error)) from None
         await self.drafter.handle.attach_target.remote(target_info)  # the tokenizer goes by reference
+        await asyncio.gather(*self.set_kv_budget(self.kv_cache_bytes))
         log.info("pipeline started: %s", self.describe())
+
+    def set_kv_budget(self, kv_cache_bytes: int | None) -> list:
+        """Give each actor's KV pool its share of ``kv_cache_bytes`` (``kv_budget_shares``): the pools stop
+        doubling at it (hetspec/kv.py). The calls' refs, to await or not (a reconfigure does not wait)."""
+        self.kv_cache_bytes = kv_cache_bytes
+        shares = kv_budget_shares(kv_cache_bytes, {"target": self.target_info.kv_bytes_per_token,
+                                                   "drafter": self.drafter_info.kv_bytes_per_token})
+        return [worker.handle.set_kv_budget.remote(shares[worker.role]) for worker in (self.target, self.drafter)]
 
     def describe(self) -> str:
         """This replica's actors by role: Ray actor id and name (``ray list actors``, the dashboard's Actors tab)."""
@@ -133,6 +151,9 @@ class ActorPipeline:
             await worker.handle.attach_target.remote(ray.put(self.target_info))
         else:
             await worker.handle.ping.remote()
+        shares = kv_budget_shares(self.kv_cache_bytes, {"target": self.target_info.kv_bytes_per_token,
+                                                        "drafter": self.drafter_info.kv_bytes_per_token})
+        await worker.handle.set_kv_budget.remote(shares[role])
         worker.available = True
         coordinator_metrics().actor_replacements.inc(tags={"role": role})
         log.warning("the %s actor of this replica is back: %s", role, self.describe())

@@ -38,10 +38,11 @@ from hetspec.algorithms import ALGORITHM_CLASSES, Algorithm, Draft, DrafterSide,
 from hetspec.config import ModelConfig, SamplingParams
 from hetspec.decoder import TargetSide
 from hetspec.passes import PassRecord, SharedPasses
-from hetspec.prefill import prefill
+from hetspec.prefill import PrefillStopped, prefill
 from hetspec.models import LanguageModel, load_model
 
 from deployments.config import PipelineConfig
+from deployments.errors import UnknownSession
 from deployments.runtime.heap_trim import HeapTrimmer
 from deployments.runtime.metrics import worker_metrics
 from deployments.runtime.model_threads import ModelThreads
@@ -134,6 +135,11 @@ class _Worker:
     def ping(self) -> str:
         return self.actor_id
 
+    def set_kv_budget(self, budget_bytes: int | None) -> None:
+        """The most bytes this model's KV buffers grow to by doubling (hetspec/kv.py ``KVPool.budget_bytes``): its
+        share of the replica's limits.kv_cache_bytes (deployments/workers/actors.py); None: no bound."""
+        self.model.kv_pool.budget_bytes = budget_bytes
+
     def node_id(self) -> str | None:
         try:
             import ray
@@ -191,13 +197,22 @@ class _Worker:
         self._publish()
 
     def _prefill(self, request_id: str, cached: Callable[[Any], tuple]) -> None:
-        """The opened session's prompt into its KV row; ``cached(session)``: (its KVSession, its ids)."""
-        [outcome], _ = self._run_for([(request_id, ())], lambda session: prefill(*cached(session),
-                                                                                  self.prefill_chunk_tokens))
+        """The opened session's prompt into its KV row; ``cached(session)``: (its KVSession, its ids). A close
+        meanwhile (the client gone) stops it at the next chunk: ``UnknownSession``, the session already freed."""
+        [outcome], _ = self._run_for([(request_id, ())], lambda session: prefill(
+            *cached(session), self.prefill_chunk_tokens, stop=self._closed(request_id, session)))
+        if isinstance(outcome, PrefillStopped):
+            self._publish()
+            raise UnknownSession(request_id)
         if isinstance(outcome, BaseException):
             self.close(request_id)  # no half-filled session left behind
             raise outcome
         self._publish()
+
+    def _closed(self, request_id: str, session: Any) -> Callable[[], bool]:
+        """Whether ``session`` was closed (taken out of the table, its close waiting for the call running on it):
+        what a prefill asks between chunks."""
+        return lambda: not self.sessions.holds(request_id, session)
 
     def _expired(self, request_ids: list[str]) -> None:
         self._metrics.expired_sessions.inc(len(request_ids), tags={"role": self.role})
@@ -255,21 +270,26 @@ class DrafterWorker(_Worker):
     def draft(self, items: list[DraftItem]) -> list[Drafted | Exception]:
         """Per item ``algorithm.draft`` after the committed text (the drafter re-syncs to it first), or the
         exception it raised; the drafts share passes."""
-        def draft(session: _DrafterSession, committed: bytes, k: int, first_position: int, draft_round: int):
+        def draft(session: _DrafterSession, request_id: str, committed: bytes, k: int, first_position: int,
+                  draft_round: int):
             # more than a chunk not cached (a prompt opened without prefill, or many tokens committed while the
-            # request drafted nothing) goes in chunks first, as a prompt at open; up to a chunk rides with the draft
+            # request drafted nothing) goes in chunks first, as a prompt at open, stopped by a close as there; up
+            # to a chunk rides with the draft
             session.side.sync(committed)
             yield from prefill(session.side.session, session.side.context.ids, self.prefill_chunk_tokens,
-                               leave=self.prefill_chunk_tokens)
+                               leave=self.prefill_chunk_tokens, stop=self._closed(request_id, session))
             return (yield from session.algorithm.draft(session.side, committed, k, session.params, first_position,
                                                        draft_round))
 
-        outcomes, seconds = self._run_for([(item.request_id, (item.committed, item.k, item.first_position,
-                                                              item.draft_round)) for item in items], draft)
+        outcomes, seconds = self._run_for([(item.request_id, (item.request_id, item.committed, item.k,
+                                                              item.first_position, item.draft_round))
+                                           for item in items], draft)
         fed_prompt = self._drain_fed_prompt()
         results: list[Drafted | Exception] = []
-        for outcome in outcomes:
-            if isinstance(outcome, Draft):
+        for item, outcome in zip(items, outcomes):
+            if isinstance(outcome, PrefillStopped):  # closed while its prompt was fed
+                outcome = UnknownSession(item.request_id)
+            elif isinstance(outcome, Draft):
                 if outcome.draft_probs is not None:  # [k, target_vocab] travels by reference to the target
                     outcome.draft_probs = self.store(outcome.draft_probs)
                 outcome = Drafted(outcome, seconds, fed_prompt)

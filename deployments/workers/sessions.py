@@ -2,7 +2,7 @@
 
 An actor serves many requests at once from a thread pool; each request's calls arrive one after the
 other, but a close (client gone) may race a draft still running, so every session has its own lock and
-a close waits for the call in progress. A session nobody touched for ``idle_timeout_s`` is freed by a
+a close waits for the call in progress (a prompt's prefill stops at its next chunk: ``holds``). A session nobody touched for ``idle_timeout_s`` is freed by a
 background sweep, so a coordinator that died mid-request cannot leak a KV cache.
 """
 
@@ -64,6 +64,12 @@ class Sessions(Generic[Session]):
                 return
         self._release(session)
         raise UnknownSession(request_id)
+
+    def holds(self, request_id: str, session: Session) -> bool:
+        """Whether ``session`` is still open under ``request_id``. A close takes it out at once, before it waits for
+        the call running on it: a long call (a prompt's prefill) asks between its passes and stops early."""
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.session is session
 
     @contextmanager
     def use(self, request_id: str) -> Iterator[Session]:
