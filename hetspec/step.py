@@ -181,6 +181,7 @@ class StepOutcome:
     ahead: str | None = None  # "hit", "miss" or None: its draft made ahead
     drafter_seconds: float = 0.0
     target_seconds: float = 0.0
+    alignment_seconds: float = 0.0
 
 
 Call = DraftCall | VerifyCall
@@ -194,6 +195,7 @@ def run_step(scheduler: Scheduler) -> Generator[Call, Any, list[StepOutcome]]:
     if plan is None:
         return []
     running, drafting = plan.running, plan.drafting
+    aligned_before = [request.stats.alignment_seconds for request in running]
     drafts: list[Draft | BaseException] = [draft or Draft() for draft in plan.ready]
     drafter_seconds = 0.0
     if drafting or plan.drafter_chunks:
@@ -231,7 +233,8 @@ def run_step(scheduler: Scheduler) -> Generator[Call, Any, list[StepOutcome]]:
         request.stats.pipeline_misses += plan.ahead_outcomes[index] == "miss"
         event = request.commit(draft.proposed_len, new_ids, request.target.step_logprobs, draft.source)
         outcomes.append(StepOutcome(request, event, None, draft.proposed_len, len(new_ids) - 1, draft.source,
-                                    plan.ahead_outcomes[index], seconds, target_seconds))
+                                    plan.ahead_outcomes[index], seconds, target_seconds,
+                                    request.stats.alignment_seconds - aligned_before[index]))
     scheduler.record(plan, [new_ids if isinstance(new_ids, list) else [] for new_ids in committed],
                      plan.priced and not verified.fed_prompt)
     return outcomes

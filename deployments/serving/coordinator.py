@@ -411,7 +411,8 @@ class Coordinator:
             self.metrics.draft_length.observe(step.drafted, tags=tags)
         if step.accepted:
             self.metrics.accepted_tokens.inc(step.accepted, tags=by_source)
-        for stage, seconds in (("drafter", step.drafter_seconds), ("target", step.target_seconds)):
+        for stage, seconds in (("drafter", step.drafter_seconds), ("target", step.target_seconds),
+                               ("alignment", step.alignment_seconds)):
             if seconds:
                 self.metrics.step_seconds.observe(seconds, tags={"stage": stage})
         if step.ahead:
