@@ -137,7 +137,7 @@ def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one
 
 def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_the_others_verify_pass(exit_stack, gemma):
     """In step the coordinator opens the target's session without its prompt and sends a chunk per verify call
-    (deployments/serving/pipeline.py DecodeLoop): each chunk shares the pass of the others' verifications, and the
+    (deployments/serving/replica_loop.py): each chunk shares the pass of the others' verifications, and the
     session then verifies what a session prefilled at open does."""
     from deployments.config import AppConfig
     from deployments.workers.model_workers import TargetWorker
