@@ -305,8 +305,8 @@ class LocalRunner:
             self._beside = self._beside or ThreadPoolExecutor(1, thread_name_prefix="hetspec-ahead")
             ahead = self._beside.submit(self.draft, DraftCall(call.ahead, []))
         # the joining prompts' chunks ride the verification pass, packed (hetspec/layouts.py): they widen no row
-        committed = run_lockstep(self.target, [request.verify(draft) for request, draft in zip(call.requests, call.drafts)]
-                                 + [_fed(feed) for feed in call.chunks])[:len(call.requests)]
+        verifications = [request.verify(draft) for request, draft in zip(call.requests, call.drafts)]
+        committed = run_lockstep(self.target, verifications + [_fed(feed) for feed in call.chunks])[:len(call.requests)]
         return Verified(committed, ahead.result() if ahead is not None else [])
 
     def close(self, request: Request) -> None:

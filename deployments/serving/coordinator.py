@@ -285,21 +285,23 @@ class Coordinator:
             drafter = await self._open(prepared, target, drafter)
             if algorithm.needs_drafter and drafter is None:
                 self._drafter_lost(request_id)
-            request = RemoteRequest(request_id, session_id, algorithm, self.target_model, prepared.params, prepared.speculation,
-                                    prepared.target_prompt_ids, target, drafter, prepared.pipelined,
-                                    prompt_in_cache=prepared.pipelined)
-            async for event in _until(prepared.deadline, self.loop.run(request)):
-                if first_text_at is None and event.text:
-                    first_text_at = time.perf_counter()
-                    self.metrics.time_to_first_token.observe(first_text_at - arrived, tags={"protocol": protocol})
-                if event.finish_reason:
-                    finished = True
-                    self.outcomes["finished"] += 1
-                    self._record_finish(protocol, event, arrived, first_text_at)
-                    log.info("request done request_id=%s finish_reason=%s %s", request_id, event.finish_reason,
-                             " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
-                                      for key, value in event.stats.to_dict().items()))
-                yield event
+            request = RemoteRequest(request_id, session_id, algorithm, self.target_model, prepared.params,
+                                    prepared.speculation, prepared.target_prompt_ids, target, drafter,
+                                    prepared.pipelined, prompt_in_cache=prepared.pipelined)
+            # closed with the request's stream (a client gone): the request leaves the loop now, not when collected
+            async with aclosing(_until(prepared.deadline, self.loop.run(request))) as events:
+                async for event in events:
+                    if first_text_at is None and event.text:
+                        first_text_at = time.perf_counter()
+                        self.metrics.time_to_first_token.observe(first_text_at - arrived, tags={"protocol": protocol})
+                    if event.finish_reason:
+                        finished = True
+                        self.outcomes["finished"] += 1
+                        self._record_finish(protocol, event, arrived, first_text_at)
+                        log.info("request done request_id=%s finish_reason=%s %s", request_id, event.finish_reason,
+                                 " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                                          for key, value in event.stats.to_dict().items()))
+                    yield event
         except (asyncio.CancelledError, GeneratorExit, TaskCancelledError):  # the client went away
             if not finished:  # a consumer closing us after the last event is no cancellation
                 self.outcomes["cancelled"] += 1

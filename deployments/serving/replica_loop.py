@@ -40,9 +40,9 @@ class RemoteTarget:
 class RemoteRequest(Progress):
     """One served request: its progress here, its KV sessions in the actors (``session_id``)."""
 
-    def __init__(self, request_id: str, session_id: str, algorithm: Algorithm, target_model: LanguageModel, params: SamplingParams,
-                 speculation: SpeculationConfig, target_prompt_ids: list[int], target: WorkerClient,
-                 drafter: WorkerClient | None, pipelined: bool, prompt_in_cache: bool) -> None:
+    def __init__(self, request_id: str, session_id: str, algorithm: Algorithm, target_model: LanguageModel,
+                 params: SamplingParams, speculation: SpeculationConfig, target_prompt_ids: list[int],
+                 target: WorkerClient, drafter: WorkerClient | None, pipelined: bool, prompt_in_cache: bool) -> None:
         self.request_id = request_id  # the client's (logs); ``session_id`` keys the KV sessions in the actors
         self.session_id = session_id
         self.algorithm = algorithm
