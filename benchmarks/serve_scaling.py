@@ -21,6 +21,9 @@ Steps, one after the other (never two at once on this machine):
    would not have: that ratio leans towards the server, the one to steps 1 and 4 against it (a wave of 8 x 64
    tokens: transformers 45.1 s beside the idle server, 47.9 s alone minutes later, the server 43.0-43.4 s;
    the machine's drift larger than the idle server's cost).
+7. with ``--versus-commit C``, this checkout's server against commit C's (a git worktree, its own config at the
+   same path) with the config's speculation over gRPC, in ABBA order (this, C, C, this) at every level: each
+   side's tokens/s and time per token, and the ratio of each pair measured side by side.
 6. with ``--repeats n``, each level's server methods n times, the order reversed every other time (ABBA): a
    level's rows pool the repeats' requests, and each repeat's ratio to speculation off is reported, so a
    difference can be told from the drift between two runs of one method (10% a level in two runs of 16e42ca).
@@ -69,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1, help="requests per client at each level")
     parser.add_argument("--task", default="humaneval")
     parser.add_argument("--baseline-commit", help="the unbatched server's commit; omitted: not run")
+    parser.add_argument("--versus-commit", help="another commit's server, measured against this checkout's in "
+                        "ABBA order at every level (gRPC, the config's speculation); omitted: not run")
     parser.add_argument("--skip", nargs="*", default=[], choices=["hf", "server", "baseline"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--pipelined-too", action="store_true",
@@ -91,8 +96,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def served_config(args: argparse.Namespace, folder: Path) -> Path:
-    config = yaml.safe_load(args.config.read_text())
+def served_config(args: argparse.Namespace, folder: Path, source: Path | None = None) -> Path:
+    """``source`` (default ``--config``) with ``--target-dtype`` applied, written to ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_load((source or args.config).read_text())
     app = config["applications"][0]["args"]
     if args.target_dtype:
         app["target"]["dtype"] = args.target_dtype
@@ -288,7 +295,48 @@ def markdown(result: dict) -> str:
             lines.append(f"| {concurrency} | {name} | {row['ttft_ms']['p50']:.0f} / "
                          f"{row['ttft_ms']['p99']:.0f} | {row['tpot_ms']['p50']:.0f} / {row['tpot_ms']['p99']:.0f} | "
                          f"{gap} | {row['tokens_per_target_pass'] or 0:.2f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + versus_table(result)) + "\n"
+
+
+def versus(args: argparse.Namespace) -> dict:
+    """{"this-grpc" and "versus-grpc": {concurrency: pooled row}}: this checkout's server and --versus-commit's, each
+    with its own config, in ABBA order (one server start per side and turn: this, versus twice, this)."""
+    rows: dict[str, dict[int, list[dict]]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        worktree = Path(scratch) / "versus"
+        subprocess.run(["git", "worktree", "add", "--detach", str(worktree), args.versus_commit], cwd=REPO, check=True)
+        try:
+            for label, checkout, repeats in (("this", REPO, [0]), ("versus", worktree, [0, 1]), ("this", REPO, [1])):
+                config = served_config(args, args.out / label, checkout / args.config.relative_to(REPO))
+                with Served(checkout, config, args.out / f"serve-{label}-{repeats[0]}.log"):
+                    for repeat in repeats:
+                        levels = bench(args, label, args.concurrency, "grpc", "", args.out / "raw",
+                                       warmup=repeat == repeats[0], repeat=repeat)
+                        for concurrency, by_protocol in levels.items():
+                            rows.setdefault(label, {}).setdefault(concurrency, []).append(by_protocol["grpc"])
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO)
+    return {f"{label}-grpc": {concurrency: pooled(level) for concurrency, level in levels.items()}
+            for label, levels in rows.items()}
+
+
+def versus_table(result: dict) -> list[str]:
+    """This checkout's server against --versus-commit's, per level: tokens/s, TPOT p50, the pooled ratio and each
+    side-by-side pair's (A1/B1 and A2/B2 of the ABBA order)."""
+    methods, commit = result["methods"], result["settings"].get("versus_commit")
+    if not commit or "this-grpc" not in methods:
+        return []
+    lines = ["", f"This checkout's server against {commit}'s (gRPC, each its own config; ABBA: this, {commit}, "
+             f"{commit}, this):", "", "| clients | this tok/s | versus tok/s | this / versus | each pair | "
+             "TPOT p50 ms this / versus |", "|---|---|---|---|---|---|"]
+    for concurrency, mine in methods["this-grpc"].items():
+        theirs = methods["versus-grpc"][concurrency]
+        pairs = zip(mine.get("tokens_per_second_by_repeat", []), theirs.get("tokens_per_second_by_repeat", []))
+        lines.append(f"| {concurrency} | {mine['tokens_per_second']:.2f} | {theirs['tokens_per_second']:.2f} | "
+                     f"{mine['tokens_per_second'] / theirs['tokens_per_second']:.3f}x | "
+                     + ", ".join(f"{a / b:.3f}x" for a, b in pairs) + f" | {mine['tpot_ms']['p50']:.0f} / "
+                     f"{theirs['tpot_ms']['p50']:.0f} |")
+    return lines
 
 
 def each_repeat(methods: dict, concurrency: int) -> str:
@@ -354,12 +402,15 @@ def main(argv: list[str] | None = None) -> int:
                     methods["unbatched-server-grpc"] = {c: rows["grpc"] for c, rows in old.items()}
             finally:
                 subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO)
+    if args.versus_commit:
+        methods.update(versus(args))
     if args.hf_after and "hf" not in args.skip:
         methods["hf-batched-after"] = hf_levels(args, config, "hf-after.json")
     result = {"meta": report.provenance(argv, "cpu", "benchmarks.serve_scaling"),
               "settings": {"pair": f"{app['target']['model']} ({app['target']['dtype']}) <- {app['drafter']['model']}",
                            "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
-                           "baseline_commit": args.baseline_commit, "speculation": app.get("speculation")},
+                           "baseline_commit": args.baseline_commit, "versus_commit": args.versus_commit,
+                           "speculation": app.get("speculation")},
               "methods": methods}
     (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "README.md").write_text(markdown(result))

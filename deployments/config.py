@@ -53,18 +53,6 @@ class PipelineConfig(StrictModel):
         "the others only while it is busy. Forward passes are batched (one at a time, every waiting request "
         "in it), so a side lane only takes session set-up; the CPU threads are split among the calls running "
         "(deployments/runtime/model_threads.py)."))
-    batch_wait_s: float = Field(0.05, ge=0.0, le=10.0, allow_inf_nan=False, description=(
-        "Longest the decoding requests' batched draft or verify call waits for a request busy elsewhere (e.g. "
-        "sending to a slow client) before leaving without it; requests waiting on a model call are always "
-        "waited for, one request alone never waits (deployments/serving/pipeline.py, StepBatches)."))
-    one_model_at_a_time: bool = Field(False, description=(
-        "Decoding requests' draft and verify calls never run at once: one model's calls leave, the other's wait "
-        "for them, and in step a prompt goes a chunk per verify call (deployments/serving/pipeline.py, "
-        "StepBatches). For drafter and target on the same cores in step (not pipelined, not STRICT_SPREAD), "
-        "where each call takes every thread: requests out of phase otherwise run both models at once at every "
-        "step and stay out of phase. On 2 CPU cores the requests then ran in full batches (3.8-4.0 of 4 clients, "
-        "7.8-8.0 of 8; docs/decisions/served-in-step.md); deployments/config.yaml turns it on. Off where the "
-        "models have their own devices or are pipelined: there drafting beside verifying is the point."))
     worker_env_vars: dict[str, str] = Field(default_factory=dict, description=(
         "Environment variables of the drafter and target actors' processes (Ray's runtime_env env_vars), set "
         "before they start: e.g. LD_PRELOAD: libjemalloc.so.2, with which a soak's drafter ran 390 MiB lower than "

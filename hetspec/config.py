@@ -157,11 +157,15 @@ class SpeculationConfig(StrictModel):
 
 
 class BatchingConfig(StrictModel):
-    max_batch_size: int = Field(8, ge=1, le=256, description=(
+    max_batch_size: int = Field(8, ge=1, le=4096, description=(
         "Most requests decoded together; more wait and join as others finish (continuous batching)."))
     prefill_chunk_tokens: int = Field(128, ge=1, le=65536, description=(
         "While other requests decode, a joining prompt is fed at most this many tokens per step, so a long "
         "prompt does not stall their decoding; with nobody decoding it is fed whole with the first verification."))
+    pipelined: bool = Field(False, description=(
+        "The drafter drafts each next step ahead, on a second thread, while the target verifies, assuming the "
+        "whole draft accepted (hetspec/ahead.py): it pays where the models have their own cores or devices; on "
+        "one CPU the two models share the cores and a missed guess is drafter work thrown away."))
 
 
 class ModelConfig(StrictModel):

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from hetspec.ahead import Ahead, DraftOrder, continuing
 from hetspec.algorithms import Draft, DrafterSide, PairMaps, make_algorithm
 from hetspec.align import ends_at_character
 from hetspec.config import SamplingParams, SpeculationConfig
@@ -95,7 +96,7 @@ class TargetSide:
 
 class Progress:
     """A request's bookkeeping between steps, wherever its passes run: this process (``Request``) or the
-    server's workers (deployments/serving/pipeline.py). Draft length, draft rounds, statistics, output text."""
+    server's actors (deployments/serving/replica_loop.py). Draft length, draft rounds, statistics, output text."""
 
     def __init__(self, target: LanguageModel, params: SamplingParams, speculation: SpeculationConfig,
                  stats: Stats, prompt_ids: Sequence[int] = ()):
@@ -114,6 +115,9 @@ class Progress:
             target.encode, self.output.table, speculation.alignment_window)
         self.logprobs: list[TokenLogprob] = []  # of the committed ids, when params.logprobs is set
         self.drafts = 0  # the next draft's round (hetspec.sampling: the drafter's numbers are never reused)
+        self.pipelined = False  # the drafter drafts the next step ahead while the target verifies (hetspec/ahead.py)
+        self.ahead: Ahead | None = None  # the draft made ahead during the last step
+        self.last_new_ids: list[int] = []  # the last step's committed ids
         self.started = time.perf_counter()
         self.finished = False
 
@@ -156,6 +160,10 @@ class Progress:
         self.stats.alignment_seconds += time.perf_counter() - tick
         return Draft(candidates=candidates, source="lookup") if candidates else None
 
+    def take_ahead(self) -> Draft | None:
+        """The draft made ahead during the last step, if it continues what the step committed (a hit)."""
+        return None if self.ahead is None else continuing(self.ahead, self.last_new_ids, self.output.table)
+
     def next_round(self) -> int:
         self.drafts += 1
         return self.drafts - 1
@@ -166,6 +174,7 @@ class Progress:
         ``logprobs``: one per new id (``TargetSide.step_logprobs``), when the request asked for them; ``source``:
         the draft's (``Draft.source``)."""
         self.stats.target_forwards += 1
+        self.last_new_ids = new_ids
         self.stats.add_draft(source, drafted, len(new_ids) - 1)
         if source == "drafter":  # the draft length policy sizes the drafter's drafts
             self.policy.update(drafted, len(new_ids) - 1)
@@ -186,7 +195,7 @@ class Request(Progress):
 
     def __init__(self, target: LanguageModel, drafter: LanguageModel | None, maps: PairMaps | None,
                  speculation: SpeculationConfig, params: SamplingParams, target_prompt_ids: list[int],
-                 drafter_prompt_ids: list[int] | None = None, request_id: str = ""):
+                 drafter_prompt_ids: list[int] | None = None, request_id: str = "", pipelined: bool = False):
         self.request_id = request_id
         self.algorithm = make_algorithm(speculation.algorithm, maps, speculation, params)
         self.target = TargetSide(target, target_prompt_ids)
@@ -195,16 +204,12 @@ class Request(Progress):
             self.drafter = DrafterSide(drafter, drafter_prompt_ids, speculation.alignment_window)
         super().__init__(target, params, speculation,
                          Stats(algorithm=self.algorithm.name, prompt_tokens=self.target.prompt_len), target_prompt_ids)
+        self.pipelined = self.stats.pipelined = pipelined and self.drafter is not None
 
-    def draft(self, k: int) -> Steps:
-        """The algorithm's draft (drafter passes) aligned to target ids; k = 0: an empty draft, no pass."""
-        if k == 0:
-            return Draft()
-        draft = yield from self.algorithm.draft(self.drafter, self.committed, k, self.params, self.position,
-                                                self.next_round())
-        tick = time.perf_counter()
-        draft = self.algorithm.align(draft, self.target.ids)
-        self.stats.alignment_seconds += time.perf_counter() - tick
+    def draft(self, order: DraftOrder) -> Steps:
+        """The algorithm's draft (drafter passes) of ``order``, not yet aligned to target ids (the step aligns)."""
+        draft = yield from self.algorithm.draft(self.drafter, order.committed, order.k, self.params,
+                                                order.first_position, order.draft_round)
         self.stats.drafter_forwards += draft.drafter_forwards
         return draft
 

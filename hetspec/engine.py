@@ -55,7 +55,7 @@ class Engine:
         if algorithm != "ar":
             drafter_ids = self.prompt_ids(prompt, messages, self.drafter)
         return Request(self.target, self.drafter, self.maps, speculation, params, target_ids, drafter_ids,
-                       request_id=request_id)
+                       request_id=request_id, pipelined=self.batching.pipelined)
 
     def decoder(self, load_adaptive: bool | None = None) -> BatchDecoder:
         adaptive = self.speculation.load_adaptive if load_adaptive is None else load_adaptive

@@ -34,6 +34,10 @@ class Stats:
     batch_rows: int = 0  # summed over its target passes: how many requests each pass verified
     chosen_draft_tokens: int = 0  # summed over its steps: the draft length each step gave it
     seed: int | None = None  # the request's seed (drawn at random when it gave none): it reproduces the sample
+    pipelined: bool = False  # its drafter drafted each next step ahead, beside the verification (hetspec/ahead.py)
+    pipeline_hits: int = 0  # drafts made ahead that were used
+    pipeline_misses: int = 0  # drafts made ahead that were dropped
+    drafter_lost: bool = False  # served: the drafter died (or was being replaced), the target decoded alone from then
     # per draft source (drafted_tokens and accepted_tokens are their sums): the drafter model, the context lookup
     drafter_drafts: int = 0
     drafter_drafted_tokens: int = 0

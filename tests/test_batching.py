@@ -132,6 +132,23 @@ def test_seeded_slem_in_a_batch_reproduces_the_target_alone_seed_for_seed(engine
     assert [result.token_ids for result in slem] == [result.token_ids for result in target_alone]
 
 
+def test_drafting_ahead_in_process_changes_speed_only(gemma, smollm):
+    """Pipelined (hetspec/ahead.py, the drafter's next step on a second thread beside the verification): greedy and
+    seeded SLEM equal the batch without it token for token, and drafts made ahead were used and dropped."""
+    prompts = PROMPTS[:3]
+    params = [SamplingParams(max_new_tokens=16), SamplingParams(max_new_tokens=12, temperature=1.0, seed=3),
+              SamplingParams(max_new_tokens=14)]
+    batching = {"max_batch_size": 3, "prefill_chunk_tokens": 8}
+    results = {pipelined: Engine(gemma, smollm, batching=BatchingConfig(**batching, pipelined=pipelined))
+               .generate_batch(prompts, params, speculation={"algorithm": "slem", "draft_tokens": 3})
+               for pipelined in (False, True)}
+    assert [result.token_ids for result in results[True]] == [result.token_ids for result in results[False]]
+    stats = [result.stats for result in results[True]]
+    assert all(stat.pipelined for stat in stats) and not any(result.stats.pipelined for result in results[False])
+    assert sum(stat.pipeline_hits for stat in stats) > 0 and sum(stat.pipeline_misses for stat in stats) > 0
+    assert gemma.kv_pool.taken == set() and smollm.kv_pool.taken == set()
+
+
 def test_a_bad_prompt_is_refused_before_any_work(engine, gemma):
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
         engine.generate_batch(["fine", ""], SamplingParams(max_new_tokens=2))

@@ -1,115 +1,19 @@
-"""The load-adaptive draft length in the server (deployments/serving/load_adaptive.py): measured from the batched calls,
-chosen over the replica's running requests, and lossless (a coordinator on real workers in this process)."""
+"""The load-adaptive draft length in the server: the library's (``hetspec.adaptive.LoadAdaptive`` in the replica loop's
+scheduler), chosen over the replica's running requests, and lossless (a coordinator on real workers in this process)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-
-import pytest
 
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.algorithms import Draft
 
-from deployments.serving.load_adaptive import ReplicaLoadAdaptive
-from deployments.serving.pipeline import Phase
-from deployments.workers.api import Drafted, DraftItem, OpenSession, VerifyItem, VerifyResult
+from deployments.workers.api import DraftItem, OpenSession, VerifyItem, VerifyResult
 from serve_fixtures import in_process_coordinator, small_app_args
 
 PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "SELECT name, COUNT(*) FROM users WHERE",
            "Once upon a time"]
 NEW_TOKENS = 14
-
-
-class _Request:
-    """What the replica's policy reads of a request: its committed position."""
-
-    def __init__(self) -> None:
-        self.position = 0
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _replica(rows: int) -> tuple[_Clock, ReplicaLoadAdaptive, list[_Request]]:
-    """A replica's policy on a fake clock with ``rows`` running requests, each drafting 5 on its own."""
-    clock = _Clock()
-    adaptive = ReplicaLoadAdaptive(clock)
-    requests = [_Request() for _ in range(rows)]
-    for request in requests:
-        adaptive.join(request, lambda: 5)
-    return clock, adaptive, requests
-
-
-def test_rounds_are_measured_whole_and_a_round_that_fed_a_prompt_is_left_out():
-    clock, adaptive, requests = _replica(4)
-    assert adaptive.drafting(), "no round chosen yet"
-
-    def round_of(seconds: float, committed: int, outcomes: tuple = ()) -> int:
-        """Each request asks for the cap, its calls come back, it commits ``committed`` tokens; ``seconds`` pass."""
-        caps = {adaptive.cap(request) for request in requests}
-        assert len(caps) == 1, "one cap for the round of four requests, as one step in process"
-        adaptive.on_batch(Phase.VERIFY, [VerifyItem("x", Draft())] * len(outcomes), list(outcomes))
-        for request in requests:
-            request.position += committed
-        clock.now += seconds
-        return caps.pop()
-
-    first = round_of(0.9, 3)
-    assert len(adaptive.policy.chosen) == 1
-    assert round_of(0.5, 1) == (0 if first else 5), "the first rounds alternate"
-    # the first round is measured once every request of it has asked again (its tokens reported)
-    assert adaptive.policy.seconds == {(4, first > 0): deque([0.9])}
-    assert list(adaptive.policy.committed[first > 0]) == [(12, 4)]
-    round_of(0.5, 1, (VerifyResult([1], fed_prompt=True),))  # a pass of the round fed a prompt's chunk
-    round_of(0.5, 1, (VerifyResult([], prompt_left=7),))  # an item fed a chunk of its prompt: 7 tokens left
-    round_of(0.5, 1, (RuntimeError("failed"),))
-    round_of(0.5, 1)  # its requests' asking closes the round before: 3 of 5 measured, 2 left out
-    assert sum(map(len, adaptive.policy.seconds.values())) == 3
-    newcomer = _Request()
-    adaptive.join(newcomer, lambda: 5)  # joins in the round: its rows changed under it
-    for request in requests[1:] + [newcomer]:
-        adaptive.cap(request)
-    clock.now += 9.0
-    for request in requests[1:]:
-        adaptive.leave(request)  # their last step's tokens are reported as they leave
-    for request in (requests[0], newcomer, requests[0]):
-        adaptive.cap(request)  # two rounds on
-    assert sum(map(len, adaptive.policy.seconds.values())) == 4, "the round the newcomer joined is left out"
-    adaptive.leave(requests[0]), adaptive.leave(newcomer)
-    assert adaptive.drafting(), "nobody running: a joining request is alone and will draft"
-    assert adaptive.cap(requests[0]) is None  # nobody running
-
-
-def test_a_round_left_out_of_the_measure_still_counts_its_requests_acceptance():
-    """A drafting round whose drafter caught a context up prices the catch-up, not k: its seconds are left out, but
-    what the request accepted in it counts as its own (the first drafting round after a plain stretch is such a
-    round: left out whole, a request's own drafts were never read)."""
-    clock, adaptive, [request] = _replica(1)
-    caps = []
-    for _ in range(5):
-        caps.append(adaptive.cap(request))
-        adaptive.on_batch(Phase.DRAFT, [DraftItem("x", b"", 4, 0, 0)], [Drafted(Draft(), fed_prompt=True)])
-        request.position += 3 if caps[-1] else 1
-        clock.now += 0.4
-    assert adaptive.policy.seconds == {} and set(caps) == {0, 5}
-    assert adaptive.policy.own[request] == [3 * caps[:-1].count(5), caps[:-1].count(5)], "the rounds closed"
-
-
-def test_a_dear_drafting_round_stops_drafting_at_the_replica():
-    clock, adaptive, requests = _replica(8)
-    for _ in range(8):  # drafting: 8 x 1.5 tokens in 1.7 s; plain: 8 tokens in 0.45 s
-        caps = [adaptive.cap(request) for request in requests]
-        for request in requests:
-            request.position += 2 if caps[0] else 1
-        clock.now += 1.7 if caps[0] else 0.45
-    assert [adaptive.cap(request) for request in requests] == [0] * 8
-    assert not adaptive.drafting(), "a request joining now leaves its drafter prefill to its first draft"
 
 
 def _served(exit_stack, gemma, smollm, **pipeline):
@@ -118,13 +22,10 @@ def _served(exit_stack, gemma, smollm, **pipeline):
         gemma, smollm, speculation={"algorithm": "slem", "load_adaptive": True}, pipeline=pipeline))
 
 
-@pytest.mark.parametrize("one_model_at_a_time", [False, True])
-def test_served_requests_with_load_adaptive_equal_the_target_alone(exit_stack, gemma, smollm, one_model_at_a_time):
+def test_served_requests_with_load_adaptive_equal_the_target_alone(exit_stack, gemma, smollm):
     from deployments.serving.request import GenerationRequest
 
-    coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm,
-                                                         one_model_at_a_time=one_model_at_a_time)
-    assert coordinator.batches.one_model_at_a_time == one_model_at_a_time
+    coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm)
     requests = [GenerationRequest(prompt=prompt, algorithm=algorithm, pipelined=False,
                                   params=SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
                 for prompt, algorithm in zip(PROMPTS, ["slem", "tli", "slem", "slrs"])]
@@ -144,14 +45,14 @@ def test_served_requests_with_load_adaptive_equal_the_target_alone(exit_stack, g
         alone = engine.generate(prompt, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True),
                                 speculation=SpeculationConfig(algorithm="ar"))
         assert token_ids == alone.token_ids, prompt
-    policy = coordinator.load_adaptive.policy
+    policy = coordinator.loop.scheduler.adaptive
     assert policy.seconds and policy.chosen, "the policy was asked and measured rounds"
     assert {k for _, k in policy.chosen} >= {0}, "it probed k = 0 (plain batched decoding)"
     assert any(stats.drafted_tokens for _, stats in served)
     # each request's statistics count the requests its verification passes fed, as the library's do (1 before)
     assert all(1 <= stats.mean_batch_size <= len(PROMPTS) for _, stats in served)
     assert max(stats.mean_batch_size for _, stats in served) > 2
-    assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not coordinator.load_adaptive.running
+    assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0 and not len(coordinator.loop.scheduler)
 
 
 def test_the_target_worker_says_when_a_pass_fed_a_prompt_chunk(exit_stack, gemma):
@@ -183,9 +84,9 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(exit_sta
 
     coordinator, target_worker, drafter_worker = _served(exit_stack, gemma, smollm, pipelined=True,
                                                          prefill_chunk_tokens=16)
-    adaptive, caps = coordinator.load_adaptive, []
-    adaptive.drafting = lambda: False  # as when others run at a cap of 0
-    adaptive.cap = lambda progress: caps.pop(0) if caps else 0
+    loop, caps = coordinator.loop, []
+    loop.drafts_soon = lambda: False  # as when others run at a cap of 0
+    loop.scheduler.adaptive.choose = lambda own: caps.pop(0) if caps else 0
     prompt = "def moving_average(values, window):\n    " * 5
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     alone = Engine(gemma, smollm).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
@@ -200,8 +101,8 @@ def test_at_a_cap_of_zero_the_drafter_neither_prefills_nor_drafts_ahead(exit_sta
     assert token_ids == alone
     assert stats.drafter_forwards == stats.pipeline_hits == stats.pipeline_misses == 0
     assert drafter_worker.passes.passes == 0, "neither a prefill nor a draft ran in the drafter"
-    del adaptive.drafting  # the replica's own: nobody else running, it would draft
-    assert adaptive.drafting()
+    del loop.drafts_soon  # the replica's own: nobody else running, it would draft
+    assert loop.drafts_soon()
     token_ids, _ = asyncio.run(run(pipelined=False))
     assert token_ids == alone and drafter_worker.passes.passes == 0, "in step, the prefill waits for a draft"
 
@@ -236,7 +137,7 @@ def test_a_drafter_session_opened_without_its_prompt_drafts_what_a_prefilled_one
 
 def test_a_target_session_opened_without_its_prompt_feeds_a_chunk_per_call_in_the_others_verify_pass(exit_stack, gemma):
     """In step the coordinator opens the target's session without its prompt and sends a chunk per verify call
-    (deployments/serving/pipeline.py DecodeLoop): each chunk shares the pass of the others' verifications, and the
+    (deployments/serving/replica_loop.py): each chunk shares the pass of the others' verifications, and the
     session then verifies what a session prefilled at open does."""
     from deployments.config import AppConfig
     from deployments.workers.model_workers import TargetWorker
@@ -283,61 +184,50 @@ def test_the_drafter_worker_says_when_a_draft_caught_a_context_up(exit_stack, ge
 
 
 def test_a_request_in_step_joins_the_draft_length_policy_once_its_prompt_is_fed(exit_stack, gemma, smollm):
-    """In step, the target's prompt goes a chunk per verify call; until it is in the cache the request is not in
-    the policy's round (in process, ``BatchDecoder`` keeps a joining request out of ``running`` the same way)."""
+    """In step, a prompt joining while another request decodes goes a chunk per step with its verify call; until it
+    is in the cache the request counts as a row being fed (None), as in process (hetspec/step.py ``Scheduler``)."""
     from deployments.serving.request import GenerationRequest
 
     coordinator, target_worker, _ = _served(exit_stack, gemma, smollm, pipelined=False, prefill_chunk_tokens=16)
     prompt = "def moving_average(values, window):\n    " * 5
     prompt_ids = gemma.encode_prompt(prompt)
     assert len(prompt_ids) > 3 * 16
-    cached_at_join, join = [], coordinator.load_adaptive.join
-
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     prepared = coordinator.prepare(GenerationRequest(prompt=prompt, algorithm="slem", params=params))
+    adaptive, seen = coordinator.loop.scheduler.adaptive, []  # per step: (its own length, its target KV length)
+    choose = adaptive.choose
 
-    def joining(progress, own_length):
-        with target_worker.sessions.use(prepared.session_id) as session:
-            cached_at_join.append(session.side.session.length)
-        join(progress, own_length)
+    def choosing(own):
+        for request, length in own.items():
+            if request.session_id == prepared.session_id:
+                with target_worker.sessions.use(prepared.session_id) as session:
+                    seen.append((length, session.side.session.length))
+        return choose(own)
 
-    coordinator.load_adaptive.join = joining
+    adaptive.choose = choosing
 
     async def run():
-        events = [event async for event in coordinator.run(prepared, "test")]
+        other = coordinator.run(coordinator.prepare(GenerationRequest(
+            prompt="Once upon a time", algorithm="slem", params=SamplingParams(max_new_tokens=40, ignore_eos=True))),
+            "test")
+        await anext(other)  # it decodes: the long prompt joins a running batch
+        joining = asyncio.ensure_future(_tokens(coordinator.run(prepared, "test")))
+        [event async for event in other]
+        token_ids = await joining
         await coordinator.admission.closes_done()
-        return [token for event in events for token in event.token_ids]
+        return token_ids
 
-    passes = target_worker.passes.passes
     token_ids = asyncio.run(run())
-    assert cached_at_join == [len(prompt_ids) - 1], "the whole prompt but its last token, fed before it joined"
-    assert target_worker.passes.passes - passes >= -(-(len(prompt_ids) - 1) // 16), "a pass per chunk"
+    feeding = [cached for length, cached in seen if length is None]
+    assert len(feeding) >= -(-(len(prompt_ids) - 1) // 16) and feeding == sorted(feeding), "a chunk per step"
+    first_row = next(cached for length, cached in seen if length is not None)
+    assert first_row == len(prompt_ids) - 1, "the whole prompt but its last token, fed before it joined"
     alone = Engine(gemma, smollm).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids
     assert token_ids == alone
 
 
-def test_requests_whose_prompts_are_being_fed_count_in_the_load_the_cap_is_chosen_at():
-    """At a wave's start of 8 clients the first request to step chose drafting at 1 row while the others' prompts
-    waited their turn: a ~1.1 s round against a plain one's 0.44 (docs/decisions/load-adaptive-draft-length.md)."""
-    clock, adaptive, [first] = _replica(1)
-    for rows, seconds_by_cap in ((1, {True: 0.4, False: 0.25}), (8, {True: 1.7, False: 0.45})):
-        for drafting in (True, False):
-            for _ in range(4):
-                adaptive.policy.record(5 if drafting else 0, {object(): 3 if drafting else 1 for _ in range(rows)},
-                                       seconds_by_cap[drafting])
-    assert adaptive.cap(first) == 5, "alone: drafting pays"
-    feeding = [_Request() for _ in range(7)]
-    for request in feeding:
-        adaptive.arrive(request)
-    first.position += 3
-    clock.now += 0.4
-    assert adaptive.cap(first) == 0, "at the replica's 8 rows it does not"
-    assert adaptive.policy.chosen[-1] == (8, 0)
-    for request in feeding:
-        adaptive.leave(request)  # (cancelled before their prompts were in)
-    first.position += 1
-    clock.now += 0.25
-    assert adaptive.cap(first) == 5 and set(adaptive.running) == {first}
+async def _tokens(events) -> list[int]:
+    return [token for event in [event async for event in events] for token in event.token_ids]
 
 
 def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pass(exit_stack, gemma, smollm):
@@ -349,7 +239,7 @@ def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pas
     coordinator, _, drafter_worker = exit_stack.enter_context(in_process_coordinator(
         gemma, smollm, speculation={"algorithm": "slem"}, pipeline={"pipelined": False}))
     steps = []
-    coordinator._record_step = lambda algorithm, step: steps.append(step)
+    coordinator.loop.on_step = steps.append
     prompt = "def moving_average(values, window):\n    "
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     alone = Engine(gemma, smollm).generate(prompt, params, speculation=SpeculationConfig(algorithm="ar")).token_ids

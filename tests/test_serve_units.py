@@ -21,10 +21,7 @@ from deployments.errors import (InvalidRequest, Overloaded, RequestTimeout, Sess
                                 UnknownSession, WorkerLost)
 from deployments.api.grpc_service import GrpcMethods, client_status, to_generation
 from deployments.api.openai_protocol import ChatCompletionRequest, CompletionRequest
-from deployments.serving.pipeline import _Speculation
-from deployments.workers.api import Drafted
 from deployments.workers.sessions import Sessions
-from hetspec.algorithms import Draft
 from protos.generate import stale_stubs
 from protos.hetspec.v1 import hetspec_pb2 as pb
 
@@ -368,46 +365,6 @@ class TestGrpcClientErrors:
         leaky = RuntimeError("ray::TargetWorker.open() (pid=4242, ip=10.0.0.1, actor_id=abcdef0123456789)\nTraceback")
         assert asyncio.run(_answers(_grpc_methods(leaky), method, context)) == [pb.GenerateResponse()]
         assert (context.code, context.details) == (grpc.StatusCode.INTERNAL, "internal server error")
-
-
-def _spent_and_usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
-    async def resolve():
-        pending = asyncio.get_running_loop().create_future()
-        pending.set_result(Drafted(draft, seconds=0.5))
-        return await _Speculation(pending, assumed, table or {}).usable(new_ids)
-
-    return asyncio.run(resolve())
-
-
-def _usable(draft: Draft, assumed: list[int], new_ids: list[int], table=None):
-    return _spent_and_usable(draft, assumed, new_ids, table)[1]
-
-
-class TestSpeculationHits:
-    """A speculative draft assumed its chunk fully accepted and guessed the bonus token with its first token."""
-
-    def test_token_draft_hit_drops_the_guess_and_its_probability_row(self):
-        usable = _usable(Draft(candidates=[9, 4, 5], draft_probs="ref"), assumed=[1, 2], new_ids=[1, 2, 9])
-        assert (usable.candidates, usable.draft_probs, usable.first_row) == ([4, 5], "ref", 1)
-
-    @pytest.mark.parametrize("new_ids", [[1, 2, 8], [1, 7]], ids=["wrong bonus guess", "chunk rejected"])
-    def test_token_draft_miss(self, new_ids):
-        assert _usable(Draft(candidates=[9, 4, 5]), assumed=[1, 2], new_ids=new_ids) is None
-
-    def test_text_draft_hit_keeps_the_text_after_the_bonus_token(self):
-        table = {9: b" world"}
-        usable = _usable(Draft(text=b" world, again"), assumed=[1], new_ids=[1, 9], table=table)
-        assert usable.text == b", again" and usable.candidates == []
-
-    @pytest.mark.parametrize("text", [b" word", b" world"], ids=["disagrees", "nothing after the bonus"])
-    def test_text_draft_miss(self, text):
-        assert _usable(Draft(text=text), assumed=[1], new_ids=[1, 9], table={9: b" world"}) is None
-
-    @pytest.mark.parametrize("new_ids", [[1, 2, 9], [1, 7], [1, 2, 8]], ids=["hit", "chunk rejected", "wrong guess"])
-    def test_hit_or_miss_the_spent_draft_comes_back_for_its_drafter_passes_and_seconds(self, new_ids):
-        drafted = Draft(candidates=[9, 4, 5], drafter_forwards=3)
-        spent, _ = _spent_and_usable(drafted, assumed=[1, 2], new_ids=new_ids)
-        assert isinstance(spent, Drafted) and spent.draft is drafted and spent.seconds == 0.5
 
 
 def test_grafana_dashboard_charts_every_metric_and_only_those():

@@ -22,18 +22,17 @@ from pydantic import ValidationError
 from ray.exceptions import TaskCancelledError
 
 from hetspec.algorithms import Algorithm, PairMaps, make_algorithm
-from hetspec.config import SamplingParams, SpeculationConfig
-from hetspec.decoder import Progress
+from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
 from hetspec.output import StreamEvent
 from hetspec.models import LanguageModel
+from hetspec.step import StepOutcome
 
 from deployments.auth import ApiKeys
 from deployments.config import AppConfig
 from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, WorkerLost
 from deployments.runtime.metrics import coordinator_metrics
 from deployments.serving.admission import Admission, Ticket
-from deployments.serving.load_adaptive import ReplicaLoadAdaptive
-from deployments.serving.pipeline import DecodeLoop, PipelineStats, Step, StepBatches
+from deployments.serving.replica_loop import RemoteRequest, RemoteRunner, ReplicaLoop
 from deployments.serving.request import GenerationRequest, request_speculation, validation_to_invalid
 from deployments.workers.api import ModelInfo, OpenSession, WorkerClient
 
@@ -107,11 +106,10 @@ class Coordinator:
         self.bit_exact = target_info.bit_exact  # the target's self-check: /v1/models reports it
         self.kv_bytes_per_token = {"target": target_info.kv_bytes_per_token,
                                    "drafter": drafter_info.kv_bytes_per_token}
-        # the draft length at this replica's load, for the requests with speculation.load_adaptive
-        self.load_adaptive = ReplicaLoadAdaptive()
-        # the requests' steps, batched per worker; their costs measured for load_adaptive
-        self.batches = StepBatches(config.pipeline.batch_wait_s, on_batch=self.load_adaptive.on_batch,
-                                   one_model_at_a_time=config.pipeline.one_model_at_a_time)
+        # the replica's one decode loop: the library's scheduler and step, the passes in the actors
+        self.loop = ReplicaLoop(_batching(config), config.speculation.load_adaptive,
+                                RemoteRunner(on_drafter_lost=lambda request: self._drafter_lost(request.request_id)),
+                                on_step=self._record_step)
         self.api_keys = ApiKeys.from_config(config.auth)  # the environment of this replica's process
         self.longest_token_chars = longest_token_chars(self.target_model)
         self._health: tuple[float, asyncio.Task | None] = (0.0, None)  # the last health check: when, its task
@@ -129,6 +127,7 @@ class Coordinator:
         limits = config.limits
         self.admission.resize(limits.max_running_requests, limits.max_waiting_requests, limits.retry_after_s,
                               limits.kv_cache_bytes)
+        self.loop.reconfigure(_batching(config), config.speculation.load_adaptive)
         self._publish_load()  # the KV budget may have changed
 
     @property
@@ -284,30 +283,25 @@ class Coordinator:
             drafter = self._pinned_drafter() if algorithm.needs_drafter else None
             workers = [target] + ([drafter] if drafter else [])
             drafter = await self._open(prepared, target, drafter)
-            stats = PipelineStats(algorithm=algorithm.name, prompt_tokens=len(prepared.target_prompt_ids),
-                                  drafter_lost=algorithm.needs_drafter and drafter is None)
-            if stats.drafter_lost:
+            if algorithm.needs_drafter and drafter is None:
                 self._drafter_lost(request_id)
-            progress = Progress(self.target_model, prepared.params, prepared.speculation, stats,
-                                prepared.target_prompt_ids)
-            loop = DecodeLoop(session_id, algorithm, progress, list(prepared.target_prompt_ids), target, drafter,
-                              prepared.pipelined, self.batches,
-                              on_step=lambda step: self._record_step(algorithm.name, step),
-                              on_drafter_lost=lambda: self._drafter_lost(request_id),
-                              load_adaptive=self.load_adaptive if prepared.speculation.load_adaptive else None,
-                              prefill_target=not prepared.pipelined)
-            async for event in _until(prepared.deadline, loop.run()):
-                if first_text_at is None and event.text:
-                    first_text_at = time.perf_counter()
-                    self.metrics.time_to_first_token.observe(first_text_at - arrived, tags={"protocol": protocol})
-                if event.finish_reason:
-                    finished = True
-                    self.outcomes["finished"] += 1
-                    self._record_finish(protocol, event, arrived, first_text_at)
-                    log.info("request done request_id=%s finish_reason=%s %s", request_id, event.finish_reason,
-                             " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
-                                      for key, value in event.stats.to_dict().items()))
-                yield event
+            request = RemoteRequest(request_id, session_id, algorithm, self.target_model, prepared.params,
+                                    prepared.speculation, prepared.target_prompt_ids, target, drafter,
+                                    prepared.pipelined, prompt_in_cache=prepared.pipelined)
+            # closed with the request's stream (a client gone): the request leaves the loop now, not when collected
+            async with aclosing(_until(prepared.deadline, self.loop.run(request))) as events:
+                async for event in events:
+                    if first_text_at is None and event.text:
+                        first_text_at = time.perf_counter()
+                        self.metrics.time_to_first_token.observe(first_text_at - arrived, tags={"protocol": protocol})
+                    if event.finish_reason:
+                        finished = True
+                        self.outcomes["finished"] += 1
+                        self._record_finish(protocol, event, arrived, first_text_at)
+                        log.info("request done request_id=%s finish_reason=%s %s", request_id, event.finish_reason,
+                                 " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                                          for key, value in event.stats.to_dict().items()))
+                    yield event
         except (asyncio.CancelledError, GeneratorExit, TaskCancelledError):  # the client went away
             if not finished:  # a consumer closing us after the last event is no cancellation
                 self.outcomes["cancelled"] += 1
@@ -338,8 +332,8 @@ class Coordinator:
     async def _open(self, prepared: Prepared, target: WorkerClient,
                     drafter: WorkerClient | None) -> WorkerClient | None:
         """Open the request's sessions; the drafter to use (None: lost while opening, decode target-only)."""
-        # In step, the target's prompt goes a chunk per target call with the others' verify calls
-        # (deployments/serving/pipeline.py DecodeLoop): prefilled here it ran beside the others' draft calls
+        # In step, the target's prompt goes a chunk per step with the others' verify call (the replica loop):
+        # prefilled here it ran beside the others' draft calls
         def session(prompt_ids: list[int], prefill_now: bool) -> OpenSession:
             return OpenSession(prepared.session_id, prompt_ids, prepared.algorithm.name, prepared.speculation,
                                prepared.params, prefill_now)
@@ -351,8 +345,7 @@ class Coordinator:
             # two prefills would share the cores (TTFT 14.3 s against 7.7 s without a drafter at 4 clients,
             # docs/decisions/served-in-step.md); and at load, while the policy drafts nothing,
             # the prompt may never be drafted from
-            prefill_now = prepared.pipelined and (not prepared.speculation.load_adaptive
-                                                  or self.load_adaptive.drafting())
+            prefill_now = prepared.pipelined and (not prepared.speculation.load_adaptive or self.loop.drafts_soon())
             opening.append(drafter.open(session(prepared.drafter_prompt_ids, prefill_now)))
         # both settle before any error is raised, so no session is opened behind a failure's back
         target_error, drafter_error = [*await asyncio.gather(*opening, return_exceptions=True), None][:2]
@@ -411,9 +404,9 @@ class Coordinator:
         self.ongoing += delta
         self.metrics.ongoing_requests.set(self.ongoing, tags={"replica": self.replica})
 
-    def _record_step(self, algorithm: str, step: Step) -> None:
-        tags = {"algorithm": algorithm}
-        by_source = {"algorithm": algorithm, "source": step.source}
+    def _record_step(self, step: StepOutcome) -> None:
+        tags = {"algorithm": step.request.algorithm.name}
+        by_source = {**tags, "source": step.source}
         self.metrics.accepted_length.observe(step.accepted, tags=tags)
         if step.drafted:  # a Ray counter only takes positive increments
             self.metrics.drafted_tokens.inc(step.drafted, tags=by_source)
@@ -424,8 +417,8 @@ class Coordinator:
                                ("alignment", step.alignment_seconds)):
             if seconds:
                 self.metrics.step_seconds.observe(seconds, tags={"stage": stage})
-        if step.speculation:
-            self.metrics.pipeline.inc(tags={"outcome": step.speculation})
+        if step.ahead:
+            self.metrics.pipeline.inc(tags={"outcome": step.ahead})
 
     def _record_finish(self, protocol: str, event: StreamEvent, arrived: float, first_text_at: float | None) -> None:
         stats = event.stats
@@ -440,6 +433,12 @@ class Coordinator:
         if stats.generated_tokens:
             self.metrics.generated_tokens.inc(stats.generated_tokens, tags=tags)
         self.metrics.prompt_tokens.inc(stats.prompt_tokens, tags=tags)
+
+
+def _batching(config: AppConfig) -> BatchingConfig:
+    """The replica loop's batch: every running request (admission bounds them), prompts chunked as the actors do."""
+    return BatchingConfig(max_batch_size=config.limits.max_running_requests,
+                          prefill_chunk_tokens=config.pipeline.prefill_chunk_tokens)
 
 
 async def _until(deadline: float | None, events: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:

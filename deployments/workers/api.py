@@ -70,7 +70,7 @@ class Drafted:
     draft: Draft  # ``draft_probs``, if any, is a stored reference (``store``) between processes
     seconds: float = 0.0  # the call's time inside the drafter
     # a pass of the call fed a context's chunk (a catch-up): the load-adaptive policy leaves the step out of its
-    # measure (deployments/serving/load_adaptive.py)
+    # measure (hetspec/step.py Verified.fed_prompt)
     fed_prompt: bool = False
 
 
@@ -91,7 +91,7 @@ class VerifyResult:
     seconds: float = 0.0  # time inside the target
     logprobs: list[TokenLogprob] | None = None  # one per new id, when the request asked for them
     # a pass since the previous verify returned fed a prompt's chunk: the load-adaptive policy leaves its step out
-    # of the measure (deployments/serving/load_adaptive.py)
+    # of the measure (hetspec/step.py Verified.fed_prompt)
     fed_prompt: bool = False
     rows: int = 1  # requests fed by the pass that verified it (its batch)
     prompt_left: int = 0  # a prompt-chunk item: the prompt tokens still to feed

@@ -22,7 +22,7 @@ class LocalWorker:
 
     @property
     def identity(self) -> int:
-        """The same for every client of one worker (``StepBatches`` batches their calls together)."""
+        """The same for every client of one worker (the replica loop sends their items in one call)."""
         return id(self.worker)
 
     def _call(self, method: Callable, *args) -> Awaitable:
@@ -72,7 +72,7 @@ class ActorWorker:
 
     @property
     def identity(self) -> int:
-        """The same for every pinned copy of one actor (``StepBatches`` batches their calls together)."""
+        """The same for every pinned copy of one actor (the replica loop sends their items in one call)."""
         return id(self.handle)
 
     def pinned(self) -> "ActorWorker":

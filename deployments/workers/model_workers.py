@@ -7,8 +7,8 @@ target ``TargetSide.verify``. Alignment and the bookkeeping stay in the coordina
 
 The API (deployments/workers/api.py): ``DrafterWorker`` is a ``DrafterAPI``, ``TargetWorker`` a ``TargetAPI``.
 
-Batching: ``draft`` and ``verify`` take the step of several requests at once (the coordinator
-gathers them, deployments/serving/pipeline.py ``StepBatches``). Each request's step is a computation of the
+Batching: ``draft`` and ``verify`` take the step of several requests at once (the replica loop sends one
+call per model per step, deployments/serving/replica_loop.py). Each request's step is a computation of the
 library's (a generator of passes), and every computation of every call shares the model's passes through
 ``hetspec.passes.SharedPasses``: one pass feeds every request waiting at that moment, and a call that arrives
 while a pass runs joins the next one (drafts of several requests advance together, one verification pass
@@ -76,7 +76,7 @@ class _Worker:
         self.sessions: Sessions = Sessions(pipeline.max_sessions, pipeline.session_idle_timeout_s, release)
         # Requests at the other model take this model's cores too, unless the models are on different nodes or the
         # requests go in step. Not pipelined, a replica's requests draft together, then verify together
-        # (deployments/serving/pipeline.py, StepBatches): the other model idles while this one runs, and a request
+        # (deployments/serving/replica_loop.py): the other model idles while this one runs, and a request
         # between this model's calls is in the coordinator's turn (sending its tokens), not at the other model. Counted,
         # it halved this model's threads while the cores idled: busy 84-87% of the cores at 8 clients
         # (docs/decisions/served-in-step.md, CPU by process).
@@ -85,7 +85,7 @@ class _Worker:
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
             at_other_model=(lambda: self.sessions.elsewhere(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
         # whether a pass fed a prompt's chunk (a pass ~8x dearer) since the last call: the load-adaptive policy
-        # (deployments/serving/load_adaptive.py) measures steps, and such a step priced the prompt, not the draft length
+        # (hetspec/step.py Scheduler) measures steps, and such a step priced the prompt, not the draft length
         self._fed_prompt = False
         self.model = self.model_threads.run(_load, model)[0]
         # the self-check (a few passes; it logs its answer) at load, on the model's threads
