@@ -1,13 +1,13 @@
 """Admission control of one replica: bounded running requests, a KV memory budget, a bounded waiting line.
 
-At most ``max_running`` requests decode at once (each holds a KV session in the drafter and the target),
-and with a ``kv_budget`` only as many as their KV caches fit in it: each request counts the bytes its
-prompt and max_new_tokens need in both models, and since a model's KV rows are all as wide as its widest
-(hetspec/kv.py), the running requests cost their number times the widest one's bytes, not the sum. Up to ``max_waiting`` more wait, first come first served
-(the first in line waits for room even if a smaller one behind it would fit: no starvation); any further
-request, or one that alone exceeds the budget, is turned away at once with ``Overloaded`` (HTTP 429 / gRPC
-RESOURCE_EXHAUSTED, with a Retry-After hint), so a burst never piles up unbounded work or opens sessions
-the actors cannot hold. A request waits no longer than its deadline (``RequestTimeout``). Single-threaded:
+At most ``max_running`` requests decode at once (each holds a KV session in the drafter and the target), and with a
+``kv_budget`` only as many as their KV caches fit in it: each request counts the bytes its prompt and
+max_new_tokens need in both models, and since a model's KV rows are all as wide as its widest (hetspec/kv.py), the
+running requests cost their number times the widest one's bytes, not the sum. Up to ``max_waiting`` more wait,
+first come first served (the first in line waits for room even if a smaller one behind it would fit: no
+starvation); any further request, or one that alone exceeds the budget, is turned away at once with ``Overloaded``
+(HTTP 429 / gRPC RESOURCE_EXHAUSTED, with a Retry-After hint), so a burst never piles up unbounded work or opens
+sessions the actors cannot hold. A request waits no longer than its deadline (``RequestTimeout``). Single-threaded:
 everything runs on the replica's event loop.
 
     ticket = admission.admit(kv_bytes)  # synchronous: a running slot, a place in line, or Overloaded
