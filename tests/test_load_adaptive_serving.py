@@ -258,3 +258,23 @@ def test_in_step_the_first_token_is_the_targets_own_and_waits_for_no_drafter_pas
     assert token_ids == alone
     assert drafter_passes_at_first == 0 and steps[0].drafted == 0
     assert steps[1].drafted > 0 and drafter_worker.passes.passes > 0, "drafting from the second step on"
+
+
+def test_a_lone_requests_steps_price_the_draft_length_policy(exit_stack, gemma, smollm):
+    """A request alone on an idle replica starts at once (its first verify pass feeds its prompt): from its second
+    step on, its steps price their draft length, as in process. (Its prompt was counted as not fed for good once,
+    so no step was priced: the policy explored at random for ever, half its steps plain at 1 client.)"""
+    from deployments.serving.request import GenerationRequest
+
+    coordinator, _, _ = _served(exit_stack, gemma, smollm, pipelined=False)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+    async def run():
+        events = [event async for event in coordinator.run(coordinator.prepare(
+            GenerationRequest(prompt="def fibonacci(n):\n", algorithm="slem", params=params)), "test")]
+        await coordinator.admission.closes_done()
+        return events
+
+    asyncio.run(run())
+    adaptive = coordinator.loop.scheduler.adaptive
+    assert sum(len(seconds) for seconds in adaptive.seconds.values()) >= len(adaptive.chosen) - 2

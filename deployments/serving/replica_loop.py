@@ -111,6 +111,7 @@ class RemoteRunner:
                 request.prompt_left = outcome.prompt_left if isinstance(outcome, VerifyResult) else 0
                 continue
             if isinstance(outcome, VerifyResult):
+                request.prompt_left = 0  # a verify pass feeds whatever of the prompt was not cached yet
                 request.target.ids.extend(outcome.new_ids)
                 request.target.step_logprobs = outcome.logprobs
                 committed.append(outcome.new_ids)
