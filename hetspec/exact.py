@@ -55,14 +55,14 @@ class _LastMask(threading.local):
     """Every layer of a pass gets the same mask object: its keys per query are worked out once a pass."""
 
     mask: torch.Tensor | None = None
-    keys: list[list[Keys]] = []
+    keys: list[list[Keys | None]] = []
 
 
 _last = _LastMask()
 
 
-def query_keys(attention_mask: torch.Tensor | None, batch: int, queries: int, keys: int) -> list[list[Keys]]:
-    """Per batch row and query, the keys it sees. attention_mask: [batch, 1, queries, keys] bool (True: seen) or
+def query_keys(attention_mask: torch.Tensor | None, batch: int, queries: int, keys: int) -> list[list[Keys | None]]:
+    """Per batch row and query, the keys it sees (None: none, a padding position). attention_mask: [batch, 1, queries, keys] bool (True: seen) or
     additive (0: seen, the dtype's minimum or -inf: hidden), or None (causal, the queries the last keys)."""
     if attention_mask is None:
         return [[(0, keys - queries + query + 1) for query in range(queries)] for _ in range(batch)]
@@ -76,16 +76,15 @@ def query_keys(attention_mask: torch.Tensor | None, batch: int, queries: int, ke
         if not bool((mask[visible] == 0).all()):
             raise ValueError("exact attention takes masks that only hide keys (0 or the minimum), not biases")
     counts = visible.sum(-1)  # [batch, queries]
-    if bool((counts == 0).any()):
-        raise ValueError("exact attention: a query sees no key")
     first = visible.int().argmax(-1)
     last = keys - 1 - visible.flip(-1).int().argmax(-1)
     contiguous = (last - first + 1 == counts).tolist()
-    first, last = first.tolist(), last.tolist()
+    first, last, counts = first.tolist(), last.tolist(), counts.tolist()
     result: list[list[Keys]] = []
     for row in range(batch):
-        result.append([(first[row][query], last[row][query] + 1) if contiguous[row][query]
-                       else visible[row, query].nonzero()[:, 0] for query in range(queries)])
+        # a query that sees no key (a left-padding position of a padded batch) has no output worth computing: None
+        result.append([None if not counts[row][query] else (first[row][query], last[row][query] + 1)
+                       if contiguous[row][query] else visible[row, query].nonzero()[:, 0] for query in range(queries)])
     _last.mask, _last.keys = attention_mask, result
     return result
 
@@ -105,6 +104,9 @@ def exact_attention(module: torch.nn.Module | None, query: torch.Tensor, key: to
     output = query.new_empty(batch, heads, queries, value.shape[-1])
     for row, row_keys in enumerate(query_keys(attention_mask, batch, queries, key.shape[2])):
         for index, seen in enumerate(row_keys):
+            if seen is None:  # sees no key (padding): zeros, where a fused kernel would give NaN or zeros
+                output[row, :, index] = 0
+                continue
             if isinstance(seen, tuple):
                 row_key, row_value = key[row:row + 1, :, seen[0]:seen[1]], value[row:row + 1, :, seen[0]:seen[1]]
             else:  # a tree: the ancestors' keys gathered, in order, as a chain would hold them

@@ -94,11 +94,22 @@ def test_sliding_window_queries_see_a_slice():
     assert query_keys(visible[None, None], 1, 4, 30) == [[(19, 27), (20, 28), (21, 29), (22, 30)]]
 
 
-def test_a_bias_in_the_mask_or_a_query_that_sees_nothing_is_refused():
+def test_a_bias_in_the_mask_is_refused():
     with pytest.raises(ValueError, match="biases"):
         query_keys(torch.full((1, 1, 2, 3), 0.5), 1, 2, 3)
-    with pytest.raises(ValueError, match="sees no key"):
-        query_keys(torch.zeros((1, 1, 2, 3), dtype=torch.bool), 1, 2, 3)
+
+
+def test_a_query_that_sees_no_key_gets_zeros_and_the_others_their_lone_bits(tensors):
+    """Transformers' left-padded batch (its batched generate, the benchmarks' peer) has padding positions that see
+    no key: their output is discarded, so zeros, never an error."""
+    query, key, value = tensors(2, 3, 6)
+    visible = torch.arange(6)[None, None] <= torch.tensor([[3, 4, 5], [3, 4, 5]])[:, :, None]
+    visible[1, 0] = False  # row 1's first query is a padding position
+    output = exact_attention(None, query, key, value, visible[:, None], scaling=0.125)[0]
+    assert not output[1, 0].any()
+    for row, index in ((0, 0), (0, 2), (1, 1), (1, 2)):
+        seen = visible[row, index].nonzero()[:, 0].tolist()
+        assert torch.equal(output[row, index], _lone(query[row, :, index], key[row], value[row], seen))
 
 
 # ---- the real target in bfloat16 ----
