@@ -45,7 +45,6 @@ class _Lockstep:
         self.waiting: dict[Any, tuple[Steps, Feed]] = {}  # by key: the computation and the feed it waits on
         self.passes = 0
         self.rows = 0  # feeds over all passes
-        self.last_rows = 0  # feeds of the latest pass: what a computation resumed by it was batched with
 
     def advance(self, key: Any, computation: Steps, logits: torch.Tensor | None,
                 done: Callable[[Any, Any, BaseException | None], None]) -> None:
@@ -80,7 +79,6 @@ class _Lockstep:
                 done(key, None, error)
             return
         self.on_pass(PassRecord(len(feeds), first_long is not None))
-        self.last_rows = len(feeds)
         for key, logits in zip(keys, all_logits):
             self.advance(key, self.waiting[key][0], logits, done)
 
@@ -135,11 +133,6 @@ class SharedPasses:
     def rows(self) -> int:
         """Feeds over all passes (rows / passes: the mean batch of a pass)."""
         return self._lockstep.rows
-
-    @property
-    def last_rows(self) -> int:
-        """Feeds of the latest pass: read by a computation right after its last feed, the batch it rode."""
-        return self._lockstep.last_rows
 
     def run(self, computation: Steps) -> Any:
         """The computation's result, its passes shared with whatever else runs meanwhile."""

@@ -93,7 +93,6 @@ class VerifyResult:
     # a pass since the previous verify returned fed a prompt's chunk: the load-adaptive policy leaves its step out
     # of the measure (hetspec/step.py Verified.fed_prompt)
     fed_prompt: bool = False
-    rows: int = 1  # requests fed by the pass that verified it (its batch)
     prompt_left: int = 0  # a prompt-chunk item: the prompt tokens still to feed
 
 

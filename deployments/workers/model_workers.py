@@ -329,10 +329,10 @@ class TargetWorker(_Worker):
         def verify(session: _TargetSession, draft: Draft | None):
             if draft is None:
                 left = yield from prefill(session.side.session, session.side.ids, self.prefill_chunk_tokens, chunks=1)
-                return VerifyResult([], rows=self.passes.last_rows, prompt_left=left)
+                return VerifyResult([], prompt_left=left)
             draft = replace(draft, draft_probs=self._draft_probs(draft, session), first_row=0)
             new_ids = yield from session.side.verify(session.algorithm, draft, session.params)
-            return VerifyResult(new_ids, logprobs=session.side.step_logprobs, rows=self.passes.last_rows)
+            return VerifyResult(new_ids, logprobs=session.side.step_logprobs)
 
         outcomes, seconds = self._run_for([(item.request_id, (item.draft,)) for item in items], verify)
         fed_prompt = self._drain_fed_prompt()
