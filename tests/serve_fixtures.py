@@ -123,3 +123,25 @@ def served_app():
                           limits={"default_max_new_tokens": NEW_TOKENS})
     with serve_app(args) as app:
         yield app
+
+
+def app_stats(app, headers: dict | None = None, timeout_s: float = 30) -> dict:
+    """The app's ``/v1/stats`` (replica and both actors)."""
+    import httpx
+
+    response = httpx.get(f"{app.http_url}/v1/stats", headers=headers, timeout=timeout_s)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_for_stats(app, condition, what: str, timeout_s: float = 30, headers: dict | None = None,
+                   poll_s: float = 0.1, request_timeout_s: float = 30) -> dict:
+    """The app's stats once ``condition(stats)`` holds; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = app_stats(app, headers, request_timeout_s)
+        if condition(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s} s: {stats}")
+        time.sleep(poll_s)

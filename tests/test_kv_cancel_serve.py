@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from serve_fixtures import serve_app, small_app_args
+from serve_fixtures import app_stats, serve_app, small_app_args, wait_for_stats
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
@@ -39,20 +39,11 @@ def limited_app():  # the conftest's name for a served app (marks the tests `ser
 
 
 def _stats(app) -> dict:
-    response = httpx.get(f"{app.http_url}/v1/stats", timeout=60)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return app_stats(app, timeout_s=60)
 
 
 def _wait_for(app, condition, what: str, timeout_s: float = 60) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = _stats(app)
-        if condition(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s} s: {stats}")
-        time.sleep(0.05)
+    return wait_for_stats(app, condition, what, timeout_s, poll_s=0.05, request_timeout_s=60)
 
 
 def _sessions(stats: dict) -> tuple[int, int]:

@@ -19,7 +19,8 @@ import pytest
 
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
-from serve_fixtures import assert_nothing_logged_as_an_error, serve_app, serve_log_sizes, small_app_args
+from serve_fixtures import (app_stats, assert_nothing_logged_as_an_error, serve_app, serve_log_sizes, small_app_args,
+                            wait_for_stats)
 
 pytestmark = [pytest.mark.real, pytest.mark.timeout(600)]
 
@@ -52,20 +53,11 @@ def grpc_stub(limited_app):
 
 
 def _stats(app) -> dict:
-    response = httpx.get(f"{app.http_url}/v1/stats", headers=AUTH, timeout=30)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return app_stats(app, AUTH)
 
 
 def _wait_for(app, condition, what: str, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = _stats(app)
-        if condition(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s} s: {stats}")
-        time.sleep(0.1)
+    return wait_for_stats(app, condition, what, timeout_s, AUTH)
 
 
 def _idle(stats: dict) -> bool:
