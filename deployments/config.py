@@ -41,7 +41,8 @@ class PipelineConfig(StrictModel):
         "How a coordinator replica's three bundles (itself, drafter, target) are placed: PACK on as few nodes "
         "as possible, SPREAD across nodes when it can, STRICT_SPREAD on three different nodes, STRICT_PACK on one."))
     pipelined: bool = Field(True, description=(
-        "Default for requests: draft chunk i+1 while the target verifies chunk i (a request may override it)."))
+        "Default for requests: the drafter drafts each request's next step while the target verifies this one, "
+        "assuming the whole draft accepted (hetspec/ahead.py); a request may override it."))
     max_sessions: int = Field(16, ge=1, le=4096, description=(
         "Most requests whose KV cache one drafter or target actor holds at once; more get 'resource exhausted'."))
     session_idle_timeout_s: float = Field(120.0, gt=0.0, description=(

@@ -66,10 +66,9 @@ def _post(http, path: str, body: dict):
 
 class TestOversizedInput:
     def test_a_20_mb_prompt_over_http_is_413_before_it_is_read_or_tokenized(self, http, tokenizer_calls):
-        started = time.monotonic()
         response = _post(http, "/v1/completions", {"prompt": HUGE, "max_tokens": 2})
         assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
-        assert time.monotonic() - started < 1.0 and tokenizer_calls == []
+        assert tokenizer_calls == []
 
     def test_a_body_without_content_length_is_cut_off_at_the_limit(self, http, tokenizer_calls):
         def chunks():  # sent chunked: no Content-Length to refuse it by
@@ -116,11 +115,10 @@ class TestOversizedInput:
     def test_a_20_mb_prompt_over_grpc_is_invalid_argument_untokenized(self, coordinator, tokenizer_calls):
         methods = GrpcMethods(coordinator)
         context = _Context()
-        started = time.monotonic()
         answer = asyncio.run(methods.Generate(pb.GenerateRequest(prompt=HUGE, max_new_tokens=2), context))
         assert answer == pb.GenerateResponse() and context.code == grpc.StatusCode.INVALID_ARGUMENT
         assert context.details.startswith("prompt:") and "characters" in context.details
-        assert time.monotonic() - started < 1.0 and tokenizer_calls == []
+        assert tokenizer_calls == []
 
 
 class TestClientChosenWork:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 
 import grpc
@@ -202,12 +201,11 @@ def test_a_request_whose_kv_cache_cannot_fit_is_turned_away_before_any_work(limi
 
 def test_grpc_deadline_frees_the_sessions(limited_app, grpc_stub):
     before = _wait_for(limited_app, _idle, "idle")
-    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as raised:
         grpc_stub.Generate(pb.GenerateRequest(prompt=COUNTING, max_new_tokens=LONG_TOKENS, temperature=0),
                            metadata=GRPC_AUTH, timeout=3)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < REQUEST_TIMEOUT_S  # the client's deadline, not the server's limit
+    assert "limits.request_timeout_s" not in raised.value.details()  # the client's deadline, not the server's limit
     after = _wait_for(limited_app, _idle, "idle", timeout_s=10)
     assert after["cancelled_requests"] == before["cancelled_requests"] + 1
 
@@ -230,14 +228,12 @@ def test_request_timeout_http_408_and_grpc_deadline_exceeded(limited_app, grpc_s
     assert short.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     left = _wait_for(limited_app, lambda stats: stats["waiting_requests"] == 0, "out of line")
     assert left["running_slots"] == 1
-    started = time.monotonic()
     # long too: should it get the slot in the moment before its own deadline, it still cannot finish in time
     waiter = pb.GenerateRequest(prompt=COUNTING, max_new_tokens=LONG_TOKENS, temperature=0)
     with pytest.raises(grpc.RpcError) as raised:  # no client deadline short enough: the server's limit stops it
         list(grpc_stub.GenerateStream(waiter, metadata=GRPC_AUTH, timeout=60))
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "limits.request_timeout_s" in raised.value.details()
-    assert time.monotonic() - started < REQUEST_TIMEOUT_S + 5
     runner.join(timeout=60)
     response = outcome["http"]
     assert response.status_code == 408, response.text
