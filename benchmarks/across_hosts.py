@@ -2,12 +2,13 @@
 drafter, the target and the coordinator costs, and how much step pipelining recovers.
 
     sudo .venv/bin/python -m benchmarks.across_hosts --config deployments/config.yaml --rtt-ms 0 1 5 20 \
-        --concurrency 1 4 --pipelined off on --num-prompts 4 --max-new-tokens 64 --out benchmarks/results/across-hosts
+        --concurrency 1 4 --pipelined off on --fixed-draft-tokens 5 --max-new-tokens 32 --library \
+        --out benchmarks/results/across-hosts
 
 Three hosts in network namespaces (cluster/netns/hosts.py; root): the coordinator on host 1, the drafter on
 host 2, the target on host 3, every packet between them held by the delay forwarder for RTT/2. For each
-pipelining setting the config is deployed once; then for each RTT (changed on the running forwarder) and each
-concurrency, closed-loop HTTP clients send greedy completions of HumanEval prompts. Reported per cell: output
+pipelining setting the config is deployed once; then, over the RTTs forward and back (``--repeats``: drift between
+cells cancels in the pooled figures), for each RTT (changed on the running forwarder) and each concurrency, closed-loop HTTP clients send greedy completions of HumanEval prompts. Reported per cell: output
 tokens/s, tokens per target pass, the time per target pass, the extra time per pass over RTT 0 (what the
 network costs a step), and the bytes on the wire per target pass between the coordinator and each model's
 host (counted by the forwarder, from which an idle period's rate is subtracted). With ``--library`` the same
@@ -45,16 +46,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=4, help="HumanEval prompts (every 16th)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--cpus-per-host", type=int, default=2, help="Ray CPUs each host offers")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="passes over the RTTs, every other one in reverse order (drift cancels in the pooled cells)")
+    parser.add_argument("--fixed-draft-tokens", type=int, default=None,
+                        help="load-adaptive off, every step drafts this many: the network's cost alone, not the "
+                             "policy's answer to it")
     parser.add_argument("--library", action="store_true", help="also the same requests in process, alone")
     parser.add_argument("--out", type=Path, required=True)
     return parser.parse_args(argv)
 
 
-def hosts_config(path: Path, pipelined: bool) -> dict:
+def hosts_config(path: Path, pipelined: bool, fixed_draft_tokens: int | None = None) -> dict:
     """The config with each pipeline member pinned to its host and the proxy on the head's addresses."""
     config = yaml.safe_load(path.read_text())
     config["http_options"] = {"host": "0.0.0.0", "port": 8000}
     args = config["applications"][0]["args"]
+    if fixed_draft_tokens is not None:
+        args["speculation"] = {**args.get("speculation", {}), "load_adaptive": False,
+                               "draft_tokens": fixed_draft_tokens}
     args["pipeline"] = {**args.get("pipeline", {}), "placement_strategy": "STRICT_SPREAD", "pipelined": pipelined}
     for role, index in ROLE_HOSTS.items():
         resources = args.setdefault(f"{role}_resources", {})
@@ -138,18 +147,39 @@ def library_reference(config_path: Path, prompts: list[str], max_tokens: int) ->
             "token_ids": {prompt: output.token_ids for prompt, output in zip(prompts, outputs)}}
 
 
+def pooled(cells: list[dict]) -> list[dict]:
+    """The repeats of each (pipelining, RTT, clients) cell summed: tokens/s over their whole wall time."""
+    groups: dict[tuple, list[dict]] = {}
+    for cell in cells:
+        groups.setdefault((cell["pipelined"], cell["rtt_ms"], cell["concurrency"]), []).append(cell)
+    rows = []
+    for (pipelined, rtt, concurrency), repeats in sorted(groups.items(), key=lambda item: (
+            item[0][0] != "off", item[0][1], item[0][2])):
+        wall, tokens = sum(c["wall_s"] for c in repeats), sum(c["tokens"] for c in repeats)
+        passes = sum(c["target_passes"] for c in repeats)
+        wire = {key: sum(c["wire_bytes_per_pass"][key] * c["target_passes"] for c in repeats) / max(passes, 1)
+                for key in repeats[0]["wire_bytes_per_pass"]}
+        rows.append({"pipelined": pipelined, "rtt_ms": rtt, "concurrency": concurrency, "wall_s": wall,
+                     "tokens": tokens, "target_passes": passes, "tokens_per_s": tokens / wall,
+                     "tokens_per_pass": tokens / max(passes, 1), "wire_bytes_per_pass": wire,
+                     "tokens_per_s_by_repeat": [round(c["tokens_per_s"], 2) for c in repeats]})
+    return rows
+
+
 def markdown(result: dict) -> str:
-    lines = ["| pipelined | RTT ms | clients | tokens/s | / RTT 0 | tokens per target pass | ms per target pass "
-             "| extra ms per pass over RTT 0 | wire bytes per pass (coordinator-drafter / -target) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for cell in result["cells"]:
-        base = next(c for c in result["cells"] if c["pipelined"] == cell["pipelined"]
+    lines = ["| pipelined | RTT ms | clients | tokens/s | each repeat | / RTT 0 | tokens per target pass "
+             "| ms per target pass | extra ms per pass over RTT 0 | wire bytes per pass (coordinator-drafter / -target) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = pooled(result["cells"])
+    for cell in rows:
+        base = next(c for c in rows if c["pipelined"] == cell["pipelined"]
                     and c["concurrency"] == cell["concurrency"] and c["rtt_ms"] == min(result["rtt_ms"]))
         ms_per_pass = 1000 * cell["wall_s"] * cell["concurrency"] / max(cell["target_passes"], 1)
         base_ms = 1000 * base["wall_s"] * base["concurrency"] / max(base["target_passes"], 1)
         wire = cell["wire_bytes_per_pass"]
+        repeats = ", ".join(f"{value:.2f}" for value in cell["tokens_per_s_by_repeat"])
         lines.append(f"| {cell['pipelined']} | {cell['rtt_ms']:g} | {cell['concurrency']} | "
-                     f"{cell['tokens_per_s']:.2f} | {cell['tokens_per_s'] / base['tokens_per_s']:.3f} | "
+                     f"{cell['tokens_per_s']:.2f} | {repeats} | {cell['tokens_per_s'] / base['tokens_per_s']:.3f} | "
                      f"{cell['tokens_per_pass']:.2f} | {ms_per_pass:.0f} | {ms_per_pass - base_ms:+.0f} | "
                      f"{wire['coordinator-drafter']:.0f} / {wire['coordinator-target']:.0f} |")
     if "library" in result:
@@ -176,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
                     workdir=Path(tempfile.mkdtemp(prefix="hsn", dir="/tmp"))) as hosts:
         hosts.ray.start()
         for pipelined in args.pipelined:
-            deploy(hosts, hosts_config(args.config, pipelined == "on"))
+            deploy(hosts, hosts_config(args.config, pipelined == "on", args.fixed_draft_tokens))
             result["idle_wire_rate"] = idle_wire_rate(hosts)
-            for rtt in args.rtt_ms:
+            run_cell(hosts, model, prompts[:1], 1, 8)  # warm-up: the first request's one-off costs
+            order = [rtt for repeat in range(args.repeats) for rtt in (args.rtt_ms[::-1] if repeat % 2 else args.rtt_ms)]
+            for rtt in order:
                 hosts.network.set_delay(DelaySettings(one_way_ms=rtt / 2))
+                time.sleep(0.5)  # the forwarder re-reads its settings every 0.1 s
                 measured_rtt = hosts.network.rtt_ms(hosts.network.hosts[0], hosts.network.hosts[2])
                 for concurrency in args.concurrency:
                     cell = run_cell(hosts, model, prompts, concurrency, args.max_new_tokens)
