@@ -23,6 +23,7 @@ from deployments.workers.api import ModelInfo
 from hetspec import Engine, SamplingParams, SpeculationConfig
 from hetspec.models import LanguageModel
 from protos.hetspec.v1 import hetspec_pb2 as pb
+from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
 from serve_fixtures import in_process_coordinator, small_app_args
 
 HUGE = "a" * (20 * 1024 * 1024)  # 20 MB
@@ -265,6 +266,82 @@ def test_the_proxy_checks_keys_from_its_environment_and_leaves_serves_probes_ope
     assert client.post("/v1/completions").status_code == 401
     assert client.post("/v1/completions", headers={"Authorization": "Bearer sk-b"}).status_code == 200
     assert client.post("/-/healthz").status_code == client.post("/health").status_code == 200
+
+
+def _grpc_proxy_calls(metadata_by_call: list[tuple]) -> tuple[list, list[str]]:
+    """Serve's own gRPC proxy server class (Ray's ``gRPCGenericServer``) with our servicer function registered, as the
+    proxy does, and a factory standing for Serve's routing handlers: (each call's status, the methods it routed)."""
+    from unittest.mock import Mock
+
+    from ray.serve._private.grpc_util import gRPCGenericServer
+
+    from deployments.api.grpc_registration import add_HetSpecServicer_to_server
+
+    routed: list[str] = []
+
+    def routing_factory(service_method: str, streaming_type):
+        async def unary(request, context):
+            routed.append(service_method)
+            return pb.GenerateResponse(text="routed").SerializeToString()
+
+        async def streaming(request, context):
+            routed.append(service_method)
+            yield pb.GenerateResponse(text="routed").SerializeToString()
+
+        return streaming if streaming_type.value == "unary_stream" else unary
+
+    async def scenario() -> list:
+        server = gRPCGenericServer(routing_factory)
+        port = server.add_insecure_port("127.0.0.1:0")
+        add_HetSpecServicer_to_server(Mock(), server)
+        await server.start()
+        statuses = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.HetSpecStub(channel)
+                for streamed, metadata in metadata_by_call:
+                    try:
+                        if streamed:
+                            [_ async for _ in stub.GenerateStream(pb.GenerateRequest(prompt="Hi"), metadata=metadata)]
+                        else:
+                            await stub.Generate(pb.GenerateRequest(prompt="Hi"), metadata=metadata)
+                        statuses.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as error:
+                        statuses.append(error.code())
+        finally:
+            await server.stop(None)
+        return statuses
+
+    return asyncio.run(scenario()), routed
+
+
+def test_the_grpc_proxy_refuses_keyless_calls_before_serves_routing_handler_runs(monkeypatch):
+    monkeypatch.setenv("HETSPEC_API_KEY", "sk-a, sk-b")
+    calls = [(False, ()), (True, ()), (False, (("authorization", "Bearer sk-wrong"),)),
+             (False, (("authorization", "Bearer sk-b"),)), (True, (("x-api-key", "sk-a"),))]
+    statuses, routed = _grpc_proxy_calls(calls)
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+    assert statuses == [unauthenticated, unauthenticated, unauthenticated, grpc.StatusCode.OK, grpc.StatusCode.OK]
+    assert routed == ["/hetspec.v1.HetSpec/Generate", "/hetspec.v1.HetSpec/GenerateStream"]  # the keyed two only
+
+
+def test_without_a_key_in_the_proxy_every_grpc_call_is_routed_for_the_replica_to_decide(monkeypatch):
+    monkeypatch.delenv("HETSPEC_API_KEY", raising=False)
+    statuses, routed = _grpc_proxy_calls([(False, ()), (True, ())])
+    assert statuses == [grpc.StatusCode.OK, grpc.StatusCode.OK] and len(routed) == 2
+
+
+def test_the_grpc_key_check_wraps_only_hetspecs_methods():
+    from deployments.auth import ApiKeys
+    from deployments.proxy import guarded_handler_factory
+
+    async def healthz(request, context):
+        return b""
+
+    factory = guarded_handler_factory(lambda service_method, streaming_type: healthz, ApiKeys(["sk"]),
+                                      "hetspec.v1.HetSpec")
+    assert factory(service_method="/ray.serve.RayServeAPIService/Healthz", streaming_type=None) is healthz
+    assert factory(service_method="/hetspec.v1.HetSpec/Generate", streaming_type=None) is not healthz
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

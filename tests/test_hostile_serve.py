@@ -201,3 +201,32 @@ def test_a_keyless_flood_does_not_starve_authenticated_requests(limited_app):
     assert sum(map(len, keyless_codes)) > 96 and {code for codes in keyless_codes for code in codes} == {401}
     stats = _stats(limited_app)
     assert stats["rejected_requests"] == 0  # no admission ever saw a keyless request
+
+
+def test_a_keyless_grpc_flood_does_not_starve_authenticated_calls(limited_app):
+    """64 keyless gRPC clients call for 15 s, refused in Serve's gRPC proxy before routing (deployments/proxy.py
+    ``guard_grpc_server``): every authenticated call meanwhile succeeds, none is RESOURCE_EXHAUSTED."""
+    request, flood_s = pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=4, temperature=0), 15.0
+
+    async def calls(stub, metadata: tuple, until: float) -> list[grpc.StatusCode]:
+        codes = []
+        while time.monotonic() < until:
+            try:
+                await stub.Generate(request, metadata=metadata, timeout=120)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as error:
+                codes.append(error.code())
+        return codes
+
+    async def flood():
+        async with grpc.aio.insecure_channel(limited_app.grpc_target) as channel:
+            stub, until = pb_grpc.HetSpecStub(channel), time.monotonic() + flood_s
+            return await asyncio.gather(calls(stub, GRPC_AUTH, until), calls(stub, GRPC_AUTH, until),
+                                        *(calls(stub, (), until) for _ in range(64)))
+
+    first, second, *keyless_codes = asyncio.run(flood())
+    paying = first + second
+    assert paying and set(paying) == {grpc.StatusCode.OK}, paying
+    assert sum(map(len, keyless_codes)) > 64
+    assert {code for codes in keyless_codes for code in codes} == {grpc.StatusCode.UNAUTHENTICATED}
+    assert _stats(limited_app)["rejected_requests"] == 0
