@@ -79,3 +79,15 @@ class WorkerLost(RuntimeError):
 
     def __reduce__(self):  # it crosses process boundaries (replica -> proxy) pickled
         return WorkerLost, (self.role,)
+
+
+class WorkerUnresponsive(WorkerLost):
+    """The actor did not answer a health ping in time: its node may be cut off; Ray has not declared it dead yet."""
+
+    def __init__(self, role: str, waited_s: float):
+        RuntimeError.__init__(self, f"the {role} actor did not answer a ping within {waited_s:g} s (its node may be "
+                                    "unreachable)")
+        self.role, self.waited_s = role, waited_s
+
+    def __reduce__(self):
+        return WorkerUnresponsive, (self.role, self.waited_s)

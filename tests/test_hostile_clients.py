@@ -268,6 +268,22 @@ def test_the_proxy_checks_keys_from_its_environment_and_leaves_serves_probes_ope
     assert client.post("/-/healthz").status_code == client.post("/health").status_code == 200
 
 
+class _Unreachable:
+    async def ping(self):
+        await asyncio.Event().wait()  # a node cut off: no answer, no error, until Ray declares the actor dead
+
+
+def test_health_names_an_actor_that_does_not_answer_instead_of_waiting_for_it(monkeypatch):
+    from deployments.errors import WorkerLost
+    from deployments.serving import coordinator as coordinator_module
+
+    monkeypatch.setattr(coordinator_module, "HEALTH_WAIT_S", 0.1)
+    coordinator = SimpleNamespace(target=_Pinging(), drafter=_Unreachable(), _health=(0.0, None))
+    coordinator._ping_both = lambda: Coordinator._ping_both(coordinator)
+    with pytest.raises(WorkerLost, match="drafter actor did not answer a ping within 0.1 s"):  # /health's 503
+        asyncio.run(Coordinator.check_health(coordinator))
+
+
 def _grpc_proxy_calls(metadata_by_call: list[tuple]) -> tuple[list, list[str]]:
     """Serve's own gRPC proxy server class (Ray's ``gRPCGenericServer``) with our servicer function registered, as the
     proxy does, and a factory standing for Serve's routing handlers: (each call's status, the methods it routed)."""

@@ -29,7 +29,8 @@ from hetspec.step import StepOutcome
 
 from deployments.auth import ApiKeys
 from deployments.config import AppConfig
-from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, WorkerLost
+from deployments.errors import (InvalidRequest, Overloaded, RequestTimeout, SessionLimitReached, WorkerLost,
+                                WorkerUnresponsive)
 from deployments.runtime.metrics import coordinator_metrics
 from deployments.serving.admission import Admission, Ticket
 from deployments.serving.replica_loop import RemoteRequest, RemoteRunner, ReplicaLoop
@@ -40,6 +41,9 @@ log = logging.getLogger("ray.serve")
 
 # How long one health check's answer serves /health (check_health).
 HEALTH_CACHE_S = 1.0
+# How long a health check waits for each actor's ping: one on a cut-off node answers nothing until Ray declares it
+# dead (tens of seconds; /health timed out meanwhile in docs/deploy.md's link-down timeline): 503 naming it instead.
+HEALTH_WAIT_S = 2.0
 
 
 @dataclass
@@ -389,7 +393,14 @@ class Coordinator:
         await asyncio.shield(check)  # a caller that goes away does not cancel the others' check
 
     async def _ping_both(self) -> None:
-        await asyncio.gather(self.target.ping(), self.drafter.ping())
+        async def ping(role: str, worker) -> None:
+            try:
+                async with asyncio.timeout(HEALTH_WAIT_S):
+                    await worker.ping()
+            except TimeoutError:
+                raise WorkerUnresponsive(role, HEALTH_WAIT_S) from None
+
+        await asyncio.gather(ping("target", self.target), ping("drafter", self.drafter))
 
     def _publish_load(self) -> None:
         """Running and waiting requests, and the KV memory they are admitted with, of this replica."""
