@@ -9,10 +9,12 @@ they are never logged or echoed.
 from __future__ import annotations
 
 import hmac
+import inspect
 import ipaddress
 import os
 from typing import Callable, Iterable, Mapping, Protocol
 
+import grpc
 from starlette.responses import JSONResponse
 
 from deployments.errors import Unauthenticated
@@ -24,6 +26,8 @@ class _KeySource(Protocol):
     def resolve_keys(self) -> list[str]: ...
 
 
+# The variable Serve's proxies read their keys from (AuthConfig.api_key_env's default; deployments/proxy.py).
+API_KEY_ENV = "HETSPEC_API_KEY"
 # HTTP routes open without a key: liveness probes must not need the secret.
 OPEN_HTTP_PATHS = frozenset({"/health"})
 
@@ -117,3 +121,48 @@ class RequireApiKey:
                     response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                     return await response(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+GRPC_KEY_HOW = "metadata 'authorization: Bearer <key>' (or 'x-api-key: <key>')"
+
+
+def guarded_handler_factory(factory: Callable, keys: ApiKeys, service_name: str) -> Callable:
+    """Serve's ``service_handler_factory`` whose unary and server-streaming handlers of ``service_name`` first check
+    the call's API key (the other services' handlers, and the client-streaming kinds nobody serves, as they were)."""
+
+    def make(service_method: str, streaming_type) -> Callable:
+        handler = factory(service_method=service_method, streaming_type=streaming_type)
+        if not service_method.startswith(f"/{service_name}/"):
+            return handler
+
+        async def refuse_keyless(context) -> None:
+            try:
+                keys.check(grpc_api_key(context.invocation_metadata() or ()), GRPC_KEY_HOW)
+            except Unauthenticated as error:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))  # raises: the call ends here
+
+        if inspect.isasyncgenfunction(handler):
+            async def streaming(request, context):
+                await refuse_keyless(context)
+                async for message in handler(request, context):
+                    yield message
+
+            return streaming
+        if inspect.iscoroutinefunction(handler):
+            async def unary(request, context):
+                await refuse_keyless(context)
+                return await handler(request, context)
+
+            return unary
+        return handler
+
+    return make
+
+
+def guard_grpc_server(server, service_name: str) -> None:
+    """With keys in this process's environment, make ``server`` (Serve's gRPC proxy server, before ``service_name``'s
+    handlers are added) check them in the proxy. Any other server (a plain ``grpc.aio`` one) is left as it is."""
+    keys = ApiKeys(keys_from_environment(API_KEY_ENV))
+    factory = getattr(server, "service_handler_factory", None)
+    if keys.required and callable(factory):
+        server.service_handler_factory = guarded_handler_factory(factory, keys, service_name)

@@ -349,7 +349,7 @@ def test_without_a_key_in_the_proxy_every_grpc_call_is_routed_for_the_replica_to
 
 def test_the_grpc_key_check_wraps_only_hetspecs_methods():
     from deployments.auth import ApiKeys
-    from deployments.proxy import guarded_handler_factory
+    from deployments.auth import guarded_handler_factory
 
     async def healthz(request, context):
         return b""

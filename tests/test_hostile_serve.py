@@ -204,7 +204,7 @@ def test_a_keyless_flood_does_not_starve_authenticated_requests(limited_app):
 
 
 def test_a_keyless_grpc_flood_does_not_starve_authenticated_calls(limited_app):
-    """64 keyless gRPC clients call for 15 s, refused in Serve's gRPC proxy before routing (deployments/proxy.py
+    """64 keyless gRPC clients call for 15 s, refused in Serve's gRPC proxy before routing (deployments/auth.py
     ``guard_grpc_server``): every authenticated call meanwhile succeeds, none is RESOURCE_EXHAUSTED."""
     request, flood_s = pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=4, temperature=0), 15.0
 

@@ -1,12 +1,13 @@
 """The servicer function named in the Serve configs' ``grpc_servicer_functions``.
 
 Serve's gRPC proxy imports it (outside any runtime_env, so this module imports only grpc, the stubs and the
-proxy's key check) and calls it to learn the service's methods and how to parse their messages. It registers what the
+key check) and calls it to learn the service's methods and how to parse their messages. It registers what the
 generated ``add_HetSpecServicer_to_server`` registers, method by method from the proto's descriptor,
 with one difference: a request whose bytes do not parse (invalid UTF-8 in a string field, a truncated
 message) becomes an ``UndecodableRequest`` that the methods answer with INVALID_ARGUMENT; the generated
 parser raised inside grpc, which answered UNKNOWN. And with $HETSPEC_API_KEY in the proxy's environment, a call
-without a right key is refused in the proxy, before routing (deployments/proxy.py ``guard_grpc_server``).
+without a right key is refused in the proxy, before routing (``deployments.auth.guard_grpc_server``;
+deployments/proxy.py tells how).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from deployments.proxy import guard_grpc_server
+from deployments.auth import guard_grpc_server
 from protos.hetspec.v1 import hetspec_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["HetSpec"]

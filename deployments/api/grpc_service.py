@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from hetspec.output import ResultBuilder, StreamEvent, TokenLogprob
 
-from deployments.auth import grpc_api_key
+from deployments.auth import GRPC_KEY_HOW, grpc_api_key
 from deployments.serving.coordinator import Coordinator, Prepared
 from deployments.serving.request import GenerationRequest, serve_request_id, validation_to_invalid
 from deployments.errors import InvalidRequest, Overloaded, RequestTimeout, Unauthenticated, WorkerLost
@@ -106,8 +106,7 @@ class GrpcMethods:
     async def _prepare(self, request: pb.GenerateRequest, grpc_context) -> Prepared:
         metadata = grpc_context.invocation_metadata() if grpc_context is not None else []
         # first: an unauthenticated client learns nothing about its request
-        self.coordinator.api_keys.check(grpc_api_key(metadata),
-                                        "metadata 'authorization: Bearer <key>' (or 'x-api-key: <key>')")
+        self.coordinator.api_keys.check(grpc_api_key(metadata), GRPC_KEY_HOW)
         generation = to_generation(request, self.coordinator.config.limits.default_max_new_tokens)
         return await self.coordinator.prepare_async(generation, serve_request_id())
 
