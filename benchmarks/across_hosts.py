@@ -8,7 +8,8 @@ drafter, the target and the coordinator costs, and how much step pipelining reco
 Three hosts in network namespaces (cluster/netns/hosts.py; root): the coordinator on host 1, the drafter on
 host 2, the target on host 3, every packet between them held by the delay forwarder for RTT/2. For each
 pipelining setting the config is deployed once; then, over the RTTs forward and back (``--repeats``: drift between
-cells cancels in the pooled figures), for each RTT (changed on the running forwarder) and each concurrency, closed-loop HTTP clients send greedy completions of HumanEval prompts. Reported per cell: output
+cells cancels in the pooled figures), for each RTT (changed on the running forwarder) and each concurrency,
+closed-loop HTTP clients send greedy completions of HumanEval prompts. Reported per cell: output
 tokens/s, tokens per target pass, the time per target pass, the extra time per pass over RTT 0 (what the
 network costs a step), and the bytes on the wire per target pass between the coordinator and each model's
 host (counted by the forwarder, from which an idle period's rate is subtracted). With ``--library`` the same
@@ -47,7 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--cpus-per-host", type=int, default=2, help="Ray CPUs each host offers")
     parser.add_argument("--repeats", type=int, default=2,
-                        help="passes over the RTTs, every other one in reverse order (drift cancels in the pooled cells)")
+                        help="passes over the RTTs, every other one in reverse order (drift cancels in the pooled "
+                             "cells)")
     parser.add_argument("--fixed-draft-tokens", type=int, default=None,
                         help="load-adaptive off, every step drafts this many: the network's cost alone, not the "
                              "policy's answer to it")
@@ -168,7 +170,8 @@ def pooled(cells: list[dict]) -> list[dict]:
 
 def markdown(result: dict) -> str:
     lines = ["| pipelined | RTT ms | clients | tokens/s | each repeat | / RTT 0 | tokens per target pass "
-             "| ms per target pass | extra ms per pass over RTT 0 | wire bytes per pass (coordinator-drafter / -target) |",
+             "| ms per target pass | extra ms per pass over RTT 0 "
+             "| wire bytes per pass (coordinator-drafter / -target) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = pooled(result["cells"])
     for cell in rows:
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             deploy(hosts, hosts_config(args.config, pipelined == "on", args.fixed_draft_tokens))
             result["idle_wire_rate"] = idle_wire_rate(hosts)
             run_cell(hosts, model, prompts[:1], 1, 8)  # warm-up: the first request's one-off costs
-            order = [rtt for repeat in range(args.repeats) for rtt in (args.rtt_ms[::-1] if repeat % 2 else args.rtt_ms)]
+            order = [rtt for repeat in range(args.repeats)
+                     for rtt in (args.rtt_ms[::-1] if repeat % 2 else args.rtt_ms)]
             for rtt in order:
                 hosts.network.set_delay(DelaySettings(one_way_ms=rtt / 2))
                 time.sleep(0.5)  # the forwarder re-reads its settings every 0.1 s

@@ -127,8 +127,8 @@ GRPC_KEY_HOW = "metadata 'authorization: Bearer <key>' (or 'x-api-key: <key>')"
 
 
 def guarded_handler_factory(factory: Callable, keys: ApiKeys, service_name: str) -> Callable:
-    """Serve's ``service_handler_factory`` whose unary and server-streaming handlers of ``service_name`` first check
-    the call's API key (the other services' handlers, and the client-streaming kinds nobody serves, as they were)."""
+    """Serve's ``service_handler_factory`` whose handlers of ``service_name`` first check the call's API key (the
+    other services' handlers as they were). A handler it cannot wrap is an error, never let through unchecked."""
 
     def make(service_method: str, streaming_type) -> Callable:
         handler = factory(service_method=service_method, streaming_type=streaming_type)
@@ -154,7 +154,8 @@ def guarded_handler_factory(factory: Callable, keys: ApiKeys, service_name: str)
                 return await handler(request, context)
 
             return unary
-        return handler
+        raise TypeError(f"{service_method}: Serve's handler {handler!r} is neither a coroutine nor an async generator "
+                        "function, so its API key check cannot be put in front of it")
 
     return make
 

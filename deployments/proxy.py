@@ -34,4 +34,3 @@ def proxy_middlewares() -> list[Middleware]:
     if not keys.required:
         return []
     return [Middleware(RequireApiKey, get_api_keys=lambda: keys, open_paths=OPEN_PROXY_PATHS)]
-
