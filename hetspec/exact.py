@@ -14,21 +14,20 @@ CPU (AMD EPYC, AVX512-BF16, no AMX; torch 2.13; docs/losslessness.md, "Bit-exact
    probabilities-times-values matmul changes its reduction over keys with the query count.
    Fix: ``exact_attention`` computes each query alone, over exactly the keys it sees, in their order (a slice of
    the row, or a gather of a tree's ancestors): the very call a one-position pass makes.
-2. Linear layers. bfloat16 ``F.linear`` gives a row the same bits among any number of rows when its input has at
-   most 1,024 features (every projection of Gemma-3-270M but one, its 262k-row output layer included); above
-   that (Gemma's MLP down-projection, 2,048 inputs; Qwen's 1,536 and up) one row alone differs from the same row
-   among 2 or more, and 64 rows from 2 for some shapes: oneDNN splits the reduction by the row count.
-   Fix: ``RowByRowLinear`` feeds such a layer's rows one call each, as a one-position pass does. float32 Linear
-   layers differ at every width (MKL/oneDNN pick other kernels by the row count; not fixed here), so float32
-   passes are not bit-exact, and the self-check says so.
+2. Linear layers. bfloat16 ``F.linear`` gives a row the same bits among any number of rows from 2 up (checked
+   2 to 2,048 rows, every projection of Qwen2.5-Coder-1.5B and Gemma-3-270M, 1 or 2 threads), but other bits for a
+   row alone in some layers (Qwen's q, gate and output projections): a lone row takes a matrix-vector kernel.
+   Fix: ``NoLoneRowLinear`` computes a lone row as a pair (the row twice) and keeps one, so every row gets the
+   many-rows bits; the pair costs about what the lone row did (the weights are read once either way). float32
+   Linear layers differ at every width (MKL/oneDNN pick other kernels by the row count; not fixed here), so
+   float32 passes are not bit-exact, and the self-check says so.
 3. Everything else of a decoder layer (norms, rotary embedding, activations, residuals) is per row.
 
 ``exact_attention`` is registered as transformers attention ``"hetspec_exact"`` (with eager's masks), so a
 model loaded with ``bit_exact=True`` runs it in hetspec's passes and in transformers' own ``generate`` alike.
-Cost: one attention call per query and layer instead of one per layer (Python and dispatch, no extra arithmetic),
-and for a wide layer one matrix-vector product per row instead of one matrix product (the weights read once a row,
-from cache for a small model's layer): hence a switch, off by default, with the benchmark for a quiet machine in
-docs/losslessness.md.
+Cost: one attention call per query and layer instead of one per layer (Python and dispatch, no extra
+arithmetic); a lone row's Linear layers a second row of arithmetic: hence a switch, off by default, with the
+benchmark for a quiet machine in docs/losslessness.md.
 
 ``self_check`` decides ``bit_exact`` at load: a few positions in every pass layout against one-position passes.
 """
@@ -116,13 +115,9 @@ def exact_attention(module: torch.nn.Module | None, query: torch.Tensor, key: to
     return output.transpose(1, 2).contiguous(), None
 
 
-# A Linear layer with more inputs gives a row other bits among other rows (bfloat16, this CPU): fed row by row.
-ROW_BY_ROW_ABOVE = 1024
-
-
-class RowByRowLinear(torch.nn.Module):
-    """A ``torch.nn.Linear`` whose rows are computed one call each: the bits of a one-row call, whatever the batch.
-    Holds the layer's own weight (no copy)."""
+class NoLoneRowLinear(torch.nn.Module):
+    """A ``torch.nn.Linear`` that never computes a row alone: a lone row goes as a pair (itself twice), so it gets
+    the bits it gets among other rows. Holds the layer's own weight (no copy)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -130,22 +125,49 @@ class RowByRowLinear(torch.nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., in_features] -> [..., out_features]
-        rows = hidden.reshape(-1, self.in_features)
-        output = hidden.new_empty(rows.shape[0], self.out_features)
-        for index in range(rows.shape[0]):
-            output[index:index + 1] = F.linear(rows[index:index + 1], self.weight, self.bias)
+        rows = hidden.reshape(-1, self.in_features).contiguous()
+        if rows.shape[0] == 1:
+            output = F.linear(rows.expand(2, -1).contiguous(), self.weight, self.bias)[:1]
+        else:
+            output = F.linear(rows, self.weight, self.bias)
         return output.reshape(*hidden.shape[:-1], self.out_features)
 
 
-def row_by_row_linear_layers(model: torch.nn.Module) -> int:
-    """Replace each ``torch.nn.Linear`` of ``model`` with more than ``ROW_BY_ROW_ABOVE`` inputs by a
-    ``RowByRowLinear``; returns how many."""
-    wide = [(name, module) for name, module in model.named_modules()
-            if type(module) is torch.nn.Linear and module.in_features > ROW_BY_ROW_ABOVE]
-    for name, module in wide:
+def no_lone_row_linear_layers(model: torch.nn.Module) -> int:
+    """Replace each ``torch.nn.Linear`` of ``model`` by a ``NoLoneRowLinear``; returns how many."""
+    linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    for name, module in linears:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, RowByRowLinear(module))
-    return len(wide)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, NoLoneRowLinear(module))
+    return len(linears)
+
+
+# Row counts at which a row's bits are compared with its bits among 2 rows (the self-check's "linear rows").
+ROW_COUNTS = (3, 8, 64, 257)
+
+
+@torch.inference_mode()
+def linear_rows_invariant(model: torch.nn.Module) -> bool:
+    """Whether every distinct Linear layer of ``model`` (by shape and bias) gives a row the same bits among
+    each of ``ROW_COUNTS`` rows as among 2, the row placed anywhere (the premise of ``NoLoneRowLinear``)."""
+    seen: set[tuple[int, int, bool]] = set()
+    generator = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if not isinstance(module, (torch.nn.Linear, NoLoneRowLinear)):
+            continue
+        shape = (module.in_features, module.out_features, module.bias is not None)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        weight = module.weight
+        rows = torch.randn(max(ROW_COUNTS), module.in_features, generator=generator).to(weight.dtype)
+        pair = F.linear(rows[:2], weight, module.bias)[1]
+        for count in ROW_COUNTS:
+            block = rows[1:count + 1].clone()  # row 1 first here, so it moves within the block
+            block[[0, count // 2]] = block[[count // 2, 0]]
+            if not torch.equal(F.linear(block, weight, module.bias)[count // 2], pair):
+                return False
+    return True
 
 
 AttentionInterface.register(ATTENTION, exact_attention)
@@ -153,17 +175,17 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, eager_mask)
 
 
 def make_exact(model: torch.nn.Module) -> None:
-    """Run ``model``'s attention through ``exact_attention`` and its wide Linear layers row by row, in
+    """Run ``model``'s attention through ``exact_attention`` and its Linear layers as ``NoLoneRowLinear``, in
     transformers' forward, its ``generate`` and hetspec's passes alike."""
     model.set_attn_implementation(ATTENTION)
-    row_by_row_linear_layers(model)
+    no_lone_row_linear_layers(model)
 
 
 def uses_exact_attention(model: torch.nn.Module) -> bool:
     return getattr(model.config, "_attn_implementation", None) == ATTENTION
 
 
-LAYOUTS = ("chunked prompt", "lone row", "padded", "packed", "tree")
+LAYOUTS = ("chunked prompt", "lone row", "padded", "packed", "tree", "linear rows")
 
 
 @torch.inference_mode()
@@ -209,6 +231,7 @@ def compare_layouts(language_model, length: int = 10) -> dict[str, bool]:
         tree = session(ids[:start])
         logits = tree.extend_tree([ids[start], other_ids[0], ids[start + 1], ids[start + 2]], [-1, -1, 0, 2])
         results["tree"] = same(logits[[0, 2, 3]], start)
+        results["linear rows"] = linear_rows_invariant(language_model.model)
         return results
     finally:
         for used in sessions:

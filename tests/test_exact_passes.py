@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetspec.exact import LAYOUTS, compare_layouts, exact_attention, query_keys
+from hetspec.exact import LAYOUTS, NoLoneRowLinear, compare_layouts, exact_attention, linear_rows_invariant, query_keys
 
 DTYPE = torch.bfloat16
 MIN = torch.finfo(DTYPE).min
@@ -86,6 +86,24 @@ def test_tree_nodes_get_the_bits_of_their_path_alone(tensors):
             visible[node] |= visible[parent]
     _check(query, key, value, visible[None])
     assert isinstance(query_keys(visible[None, None], 1, 5, 305)[0][3], torch.Tensor)  # a gather, not a slice
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_lone_row_gets_the_bits_it_gets_among_other_rows(bias):
+    """Qwen2.5-1.5B's q-projection shape, where a lone bfloat16 row takes a matrix-vector kernel of other bits on
+    this project's CPU: through ``NoLoneRowLinear`` it gets its bits among 2, 8 and 64 rows, anywhere among them."""
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(1536, 1536, bias=bias).to(DTYPE)
+    torch.nn.init.normal_(linear.weight, std=0.02, generator=generator)
+    if not linear_rows_invariant(linear):
+        pytest.skip("this CPU's bfloat16 Linear gives a row other bits among other row counts: no fix applies")
+    wrapped = NoLoneRowLinear(linear)
+    row = torch.randn(1, 1, 1536, generator=generator).to(DTYPE)  # [batch, positions, features]
+    alone = wrapped(row)[0, 0]
+    for count in (2, 8, 64):
+        others = torch.randn(1, count, 1536, generator=generator).to(DTYPE)
+        others[0, count // 3] = row[0, 0]
+        assert torch.equal(wrapped(others)[0, count // 3], alone), count
 
 
 def test_sliding_window_queries_see_a_slice():

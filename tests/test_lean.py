@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hetspec import Engine, SamplingParams, SpeculationConfig, kv, load_model
-from hetspec.exact import compare_layouts, make_exact
+from hetspec.exact import LAYOUTS, compare_layouts, make_exact
 from hetspec.int8 import Int8WeightLinear, quantize_weights
 from hetspec.forward import forward
 from hetspec.kv import Feed
@@ -72,7 +72,7 @@ def test_a_bit_exact_lean_forward_is_bit_exact_and_computes_what_transformers_co
     assert model.lean.exact
     for expected, got in zip(reference, _passes(model), strict=True):
         assert torch.equal(got, expected)
-    assert compare_layouts(model) == dict.fromkeys(("chunked prompt", "lone row", "padded", "packed", "tree"), True)
+    assert compare_layouts(model) == dict.fromkeys(LAYOUTS, True)
 
 
 def test_the_lean_forward_runs_int8_drafters_only_where_asked_and_refuses_what_it_cannot_run(gemma, smollm):
