@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--bit-exact", action="store_true",
                         help="load the target with bit_exact (hetspec/exact.py): its cost against a run without")
+    parser.add_argument("--bit-exact-beside", action="store_true",
+                        help="also a second copy of the target loaded with bit_exact: methods hetspec-ar-exact and "
+                             "hetspec-<alg>-exact interleaved with the others (bit_exact's cost in one run)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip-one-at-a-time", action="store_true",
                         help="leave out the one-request-at-a-time method (its 8 sequential requests dominate the run)")
@@ -101,6 +104,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     drafter = load_model(args.drafter, args.dtype, args.device, args.threads, quantize=args.drafter_quantize)
     largest = max(args.batch_sizes)
     engine = Engine(target, drafter, batching=BatchingConfig(max_batch_size=largest))
+    exact_engine = None
+    if args.bit_exact_beside:
+        exact_target = load_model(args.target, args.dtype, args.device, args.threads, bit_exact=True)
+        exact_engine = Engine(exact_target, drafter, batching=BatchingConfig(max_batch_size=largest))
     prompts = [case.text for case in load_prompts(args.task, largest)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     algorithm = args.algorithm
@@ -111,6 +118,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     others = {k: SpeculationConfig(**drafting, draft_tokens=k) for k in args.also_draft_tokens
               if k != args.draft_tokens}  # --draft-tokens runs as hetspec-<alg> already
     engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), speculation=fixed)  # warm-up
+    if exact_engine is not None:
+        exact_engine.generate_batch(prompts[:2], SamplingParams(max_new_tokens=4), speculation=fixed)
     hf_batched(target, prompts[:2], 4)
 
     one_at_a_time = []  # per prompt: (tokens, seconds, ids)
@@ -129,6 +138,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             (f"hetspec-{algorithm}-adaptive", lambda: hetspec_batched(engine, chosen, params, adaptive)),
         ] + [(f"hetspec-{algorithm}-k{k}", lambda speculation=speculation: hetspec_batched(
             engine, chosen, params, speculation)) for k, speculation in others.items()]
+        if exact_engine is not None:
+            methods += [("hetspec-ar-exact", lambda: hetspec_batched(exact_engine, chosen, params, plain)),
+                        (f"hetspec-{algorithm}-exact", lambda: hetspec_batched(exact_engine, chosen, params, fixed))]
         methods = methods[rotation % len(methods):] + methods[:rotation % len(methods)]
         measured = {}
         for name, method in methods:
@@ -174,6 +186,18 @@ def markdown(result: dict, algorithm: str) -> str:
         lines.append(f"| {row['batch_size']} | " + " | ".join(f"{rate[name]:.2f}" for name in names)
                      + f" | {fixed / rate['hf-batched']:.2f}x | {fixed / rate['hetspec-ar']:.2f}x"
                      f" | {adaptive / rate['hf-batched']:.2f}x | {adaptive / rate['hetspec-ar']:.2f}x | {mean_k:.2f} |")
+    if "hetspec-ar-exact" in names:
+        lines += ["", "bit_exact's cost (the same target loaded with bit_exact, interleaved): tokens/s with it over "
+                  "without; outputs equal between the two (greedy):", ""]
+        for row in result["rows"]:
+            methods = row["methods"]
+            cells = []
+            for plain in ("hetspec-ar", f"hetspec-{algorithm}"):
+                exact = f"{plain}-exact"
+                equal = sum(a == b for a, b in zip(methods[plain]["token_ids"], methods[exact]["token_ids"]))
+                ratio = methods[exact]["tokens_per_second"] / methods[plain]["tokens_per_second"]
+                cells.append(f"{exact} / {plain} {ratio:.3f}x ({equal}/{row['batch_size']} equal)")
+            lines.append(f"- batch {row['batch_size']}: " + ", ".join(cells))
     lines += ["", "Requests whose tokens equal the one-at-a-time run's (or, without it, hetspec-ar's; greedy; a difference "
               "is a rounding tie):", ""]
     for row in result["rows"]:

@@ -167,7 +167,8 @@ async def serve_cases(served, cases: list[tuple[int, str, str]], prompts: list[s
 
 
 def run_served(document: dict, config: AppConfig, cases: list[tuple[int, str, str]], prompts: list[str],
-               speculations: dict[str, SpeculationConfig], args: argparse.Namespace) -> dict[tuple[int, str], list[int]]:
+               speculations: dict[str, SpeculationConfig],
+               args: argparse.Namespace) -> dict[tuple[int, str], list[int]]:
     """One deployment per speculation setting besides the algorithm (chain, tree, lookup), target ``bit_exact``."""
     from deployments.tools.local_serve import local_serve
 

@@ -61,8 +61,9 @@ _last = _LastMask()
 
 
 def query_keys(attention_mask: torch.Tensor | None, batch: int, queries: int, keys: int) -> list[list[Keys | None]]:
-    """Per batch row and query, the keys it sees (None: none, a padding position). attention_mask: [batch, 1, queries, keys] bool (True: seen) or
-    additive (0: seen, the dtype's minimum or -inf: hidden), or None (causal, the queries the last keys)."""
+    """Per batch row and query, the keys it sees (None: none, a padding position). attention_mask:
+    [batch, 1, queries, keys] bool (True: seen) or additive (0: seen, the dtype's minimum or -inf: hidden), or None
+    (causal, the queries the last keys)."""
     if attention_mask is None:
         return [[(0, keys - queries + query + 1) for query in range(queries)] for _ in range(batch)]
     if attention_mask is _last.mask:
