@@ -93,6 +93,93 @@ class LlamaCppPeer:
         return PeerRun(prompt_id, self.name, token_ids, time.perf_counter() - started)
 
 
+class LlamaCppBatch:
+    """llama.cpp decoding several sequences greedily in one batch (what ``llama-server -np N`` and
+    ``llama-batched-bench`` do): every step one ``llama_decode`` of each running sequence's next token; prompts
+    prefilled together first. The served benchmark's peer at N clients: llama.cpp's throughput for N requests at once,
+    without a server's costs."""
+
+    name = NAME + " batched"
+
+    def __init__(self, peer: LlamaCppPeer, sequences: int, context_per_sequence: int):
+        import llama_cpp
+
+        self.peer, self.sequences = peer, sequences
+        self.context_per_sequence = context_per_sequence
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = sequences * context_per_sequence
+        params.n_batch = params.n_ubatch = 512
+        params.n_seq_max = sequences
+        params.n_threads = params.n_threads_batch = peer.threads
+        self.model = peer.llm._model.model
+        self.context = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.context:
+            raise RuntimeError(f"llama.cpp could not make a context for {sequences} sequences")
+        self.batch = llama_cpp.llama_batch_init(512, 0, sequences)
+        self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+
+    def close(self) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.context)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """entries: (token, position, sequence, wants logits), at most 512."""
+        import llama_cpp
+
+        self.batch.n_tokens = len(entries)
+        for index, (token, position, sequence, logits) in enumerate(entries):
+            self.batch.token[index], self.batch.pos[index] = token, position
+            self.batch.seq_id[index][0], self.batch.n_seq_id[index] = sequence, 1
+            self.batch.logits[index] = logits
+        if llama_cpp.llama_decode(self.context, self.batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, index: int) -> int:
+        import llama_cpp
+        import numpy as np
+
+        logits = llama_cpp.llama_get_logits_ith(self.context, index)
+        return int(np.ctypeslib.as_array(logits, shape=(self.vocab,)).argmax())
+
+    def generate(self, prompts_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Each prompt's greedy continuation, up to EOS or ``max_new_tokens``; at most ``sequences`` prompts."""
+        import llama_cpp
+
+        if len(prompts_ids) > self.sequences or any(
+                len(ids) + max_new_tokens > self.context_per_sequence for ids in prompts_ids):
+            raise ValueError("more prompts or tokens than this batch context holds")
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.context), True)
+        prompt_entries = [(token, position, sequence, position == len(ids) - 1)
+                          for sequence, ids in enumerate(prompts_ids) for position, token in enumerate(ids)]
+        next_tokens: dict[int, int] = {}
+        for start in range(0, len(prompt_entries), 512):
+            chunk = prompt_entries[start:start + 512]
+            self._decode(chunk)
+            next_tokens.update({entry[2]: self._argmax(index) for index, entry in enumerate(chunk) if entry[3]})
+        outputs: list[list[int]] = [[] for _ in prompts_ids]
+        running = []
+        for sequence in range(len(prompts_ids)):
+            if next_tokens[sequence] not in self.peer.eos_token_ids and max_new_tokens > 0:
+                outputs[sequence].append(next_tokens[sequence])
+                running.append(sequence)
+        while running:
+            running = [sequence for sequence in running if len(outputs[sequence]) < max_new_tokens]
+            if not running:
+                break
+            self._decode([(outputs[sequence][-1], len(prompts_ids[sequence]) + len(outputs[sequence]) - 1, sequence,
+                           True) for sequence in running])
+            still = []
+            for index, sequence in enumerate(running):
+                token = self._argmax(index)
+                if token not in self.peer.eos_token_ids:
+                    outputs[sequence].append(token)
+                    still.append(sequence)
+            running = still
+        return outputs
+
+
 def summarize_peer(runs: list[PeerRun], reference: dict[str, tuple[list[int], float]]) -> dict:
     """One summary row for a peer: tokens/s over all prompts, per-prompt speedup over ``ar`` (``reference``:
     prompt id -> ar's token ids and seconds), and on how many prompts its tokens equal ar's."""

@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--transformers-only", action="store_true",
                         help="only transformers' batched generate at --concurrency, into --out/hf.json (a level of "
                         "--hf-beside; --config is taken as it is)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also llama.cpp's batched greedy decoding of the target's GGUF at each concurrency "
+                        "(benchmarks/llama_peer.py; needs llama-cpp-python), before the servers")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each level's server methods this many times, the order reversed every other time")
     parser.add_argument("--reuse", action="store_true", help="keep the steps already measured in --out (hf.json, "
@@ -140,6 +143,39 @@ def hf_levels(args: argparse.Namespace, config: Path, file: str) -> dict:
         return {int(c): row for c, row in json.loads(cached.read_text()).items()}
     levels = run_hf(args, config)
     cached.write_text(json.dumps(levels, indent=1) + "\n")
+    return levels
+
+
+def run_llama(args: argparse.Namespace, config: Path) -> dict:
+    """llama.cpp decoding the target's GGUF, the first c prompts in one batch, at each concurrency c, as many
+    requests as the servers send (the peer of a served level: llama-server -np c without its HTTP costs)."""
+    from benchmarks import llama_peer
+
+    if not llama_peer.available():
+        print(llama_peer.INSTALL_HINT, file=sys.stderr)
+        return {}
+    target_config = yaml.safe_load(config.read_text())["applications"][0]["args"]["target"]
+    peer = llama_peer.LlamaCppPeer(llama_peer.gguf_of(target_config["model"]), target_config.get("threads") or 2,
+                                   set())
+    prompts = [peer.llm.tokenize(case.text.encode(), add_bos=True)
+               for case in load_prompts(args.task, max(args.concurrency))]
+    levels = {}
+    for concurrency in args.concurrency:
+        batch = llama_peer.LlamaCppBatch(peer, concurrency, max(map(len, prompts)) + args.max_new_tokens + 1)
+        try:
+            batch.generate(prompts[:1], 4)  # warm-up
+            tokens, seconds = 0, 0.0
+            for _ in range(max(2, concurrency) * args.rounds // concurrency):
+                tick = time.perf_counter()
+                outputs = batch.generate(prompts[:concurrency], args.max_new_tokens)
+                tokens, seconds = tokens + sum(map(len, outputs)), seconds + time.perf_counter() - tick
+        finally:
+            batch.close()
+        levels[concurrency] = {"tokens_per_second": tokens / seconds, "output_tokens": tokens, "wall_seconds": seconds,
+                               "settings": peer.settings()}
+        print(f"llama.cpp c={concurrency}: {tokens / seconds:.2f} tok/s", flush=True)
+    del peer
+    gc.collect()
     return levels
 
 
@@ -266,10 +302,11 @@ def markdown(result: dict) -> str:
     transformers = "hf-batched (mean of both runs)" if "hf-batched-after" in methods else "hf-batched"
     beside = "hf-beside" in methods
     repeated = any("tokens_per_second_by_repeat" in row for row in methods.get("served-grpc", {}).values())
+    llama = "llama.cpp-batched" in methods
     lines += ["| clients | " + " | ".join(names) + f" | served / 1 client | served / {transformers} | "
-              + ("served / hf-beside | " if beside else "") + "served / spec off |"
-              + (" served / spec off, each repeat |" if repeated else ""),
-              "|" + "---|" * (len(names) + 4 + beside + repeated)]
+              + ("served / hf-beside | " if beside else "") + ("served / llama.cpp | " if llama else "")
+              + "served / spec off |" + (" served / spec off, each repeat |" if repeated else ""),
+              "|" + "---|" * (len(names) + 4 + beside + llama + repeated)]
     served = methods.get("served-grpc", {})
     for concurrency in levels:
         cells = [f"{methods[name][concurrency]['tokens_per_second']:.2f}" if concurrency in methods[name] else "-"
@@ -284,7 +321,8 @@ def markdown(result: dict) -> str:
         scale = (f"{served[concurrency]['tokens_per_second'] / served[levels[0]]['tokens_per_second']:.2f}x"
                  if concurrency in served and levels[0] in served else "-")
         lines.append(f"| {concurrency} | " + " | ".join(cells) + f" | {scale} | {ratio('hf-batched', 'hf-batched-after')} | "
-                     + (f"{ratio('hf-beside')} | " if beside else "") + f"{ratio('served-ar-grpc')} |"
+                     + (f"{ratio('hf-beside')} | " if beside else "")
+                     + (f"{ratio('llama.cpp-batched')} | " if llama else "") + f"{ratio('served-ar-grpc')} |"
                      + (f" {each_repeat(methods, concurrency)} |" if repeated else ""))
     lines += ["", "Latency of the batching server (ms, p50 / p99; the longest wait between two chunks of any "
               "request):", "",
@@ -366,6 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     methods: dict[str, dict] = {}
     if "hf" not in args.skip:
         methods["hf-batched"] = hf_levels(args, config, "hf.json")
+    if args.llama_cpp:
+        cached = args.out / "llama-cpp.json"
+        if args.reuse and cached.exists():
+            methods["llama.cpp-batched"] = {int(c): row for c, row in json.loads(cached.read_text()).items()}
+        elif levels := run_llama(args, config):
+            methods["llama.cpp-batched"] = levels
+            cached.write_text(json.dumps(levels, indent=1) + "\n")
     runs = [("served", "both", "", ()), ("served-ar", "grpc", "ar", ())] + (
         [("served-pipelined", "grpc", "", ("--pipelined", "on"))] if args.pipelined_too else [])
 
