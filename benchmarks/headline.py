@@ -67,7 +67,8 @@ def bench_argv(args: argparse.Namespace, out: Path) -> list[str]:
 
 def served_argv(args: argparse.Namespace, out: Path) -> list[str]:
     return ["--config", str(args.config), "--concurrency", *map(str, args.concurrency), "--rounds", "2",
-            "--max-new-tokens", str(args.served_tokens), "--skip", "baseline", "--out", str(out)]
+            "--max-new-tokens", str(args.served_tokens), "--skip", "baseline", "--out", str(out)] + (
+                [] if args.no_llama_cpp else ["--llama-cpp"])
 
 
 def single_row(result: dict) -> dict:
@@ -106,7 +107,7 @@ def served_rows(result: dict) -> list[dict]:
         rows.append({"load": f"served, {level} client{'s' if level > 1 else ''} (closed loop, "
                              f"{result['settings']['max_new_tokens']} tokens)",
                      "hetspec": tokens("served-grpc"), "speculation_off": tokens("served-ar-grpc"),
-                     "transformers": tokens("hf-batched")})
+                     "transformers": tokens("hf-batched"), "llama_cpp": tokens("llama.cpp-batched")})
     return rows
 
 
@@ -131,7 +132,8 @@ def markdown(headline: dict) -> str:
                f"{_tps(single['transformers'])} | {_tps(single['llama_cpp'])} | single/results.md |")
     for row in headline["served"]:
         out.append(f"| {machine} | {row['load']} | {_tps(row['speculation_off'])} (server, speculation off) | "
-                   f"{_tps(row['hetspec'])} | {_tps(row['transformers'])} (padded batch) | - | served/README.md |")
+                   f"{_tps(row['hetspec'])} | {_tps(row['transformers'])} (padded batch) | "
+                   f"{_tps(row.get('llama_cpp'))} (batched) | served/README.md |")
     out += ["", "tokens/s over all requests (speedup over the target alone: geometric mean over prompts). hetspec: "
             f"{single['hetspec'] and single['hetspec']['method']}; transformers: "
             f"{single['transformers'] and single['transformers']['method']} (the same drafter object). hetspec's "
