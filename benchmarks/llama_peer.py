@@ -106,11 +106,10 @@ class LlamaCppBatch:
 
         self.peer, self.sequences = peer, sequences
         self.context_per_sequence = context_per_sequence
-        params = llama_cpp.llama_context_default_params()
+        # the single-sequence peer's settings (flash attention, cache types, threads, batch), more sequences
+        params = llama_cpp.llama_context_params.from_buffer_copy(peer.llm.context_params)
         params.n_ctx = sequences * context_per_sequence
-        params.n_batch = params.n_ubatch = 512
         params.n_seq_max = sequences
-        params.n_threads = params.n_threads_batch = peer.threads
         self.model = peer.llm._model.model
         self.context = llama_cpp.llama_init_from_model(self.model, params)
         if not self.context:

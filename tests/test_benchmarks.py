@@ -220,9 +220,11 @@ def test_headline_reads_the_served_levels_of_a_serve_scaling_result():
     result = {"settings": {"concurrency": [1, 8], "max_new_tokens": 64},
               "methods": {"served-grpc": {"1": {"tokens_per_second": 5.5}, "8": {"tokens_per_second": 20.3}},
                           "served-ar-grpc": {"1": {"tokens_per_second": 3.4}, "8": {"tokens_per_second": 19.5}},
-                          "hf-batched": {"1": {"tokens_per_second": 3.5}, "8": {"tokens_per_second": 20.2}}}}
+                          "hf-batched": {"1": {"tokens_per_second": 3.5}, "8": {"tokens_per_second": 20.2}},
+                          "llama.cpp-batched": {"1": {"tokens_per_second": 13.0}, "8": {"tokens_per_second": 36.0}}}}
     rows = served_rows(result)
     assert [row["hetspec"] for row in rows] == [5.5, 20.3] and rows[1]["transformers"] == 20.2
+    assert [row["llama_cpp"] for row in rows] == [13.0, 36.0]
     assert rows[0]["load"].startswith("served, 1 client ") and rows[1]["load"].startswith("served, 8 clients ")
     cell = {"method": "ar", "tokens_per_second": 3.5, "speedup": 1.0}
     single = {"load": "1 request", "target_alone": cell, "hetspec": {**cell, "method": "slem/k9", "speedup": 2.26},
@@ -230,7 +232,29 @@ def test_headline_reads_the_served_levels_of_a_serve_scaling_result():
     table = markdown({"pair": "p", "machine": "m", "date": "d", "commit": "c", "command": "x", "single": single,
                       "served": rows})
     assert "| m | 1 request | 3.50 | 3.50 (2.26x) | - | - | single/results.md |" in table
-    assert "| m | served, 8 clients (closed loop, 64 tokens) | 19.50 (server, speculation off) | 20.30 | " in table
+    assert ("| m | served, 8 clients (closed loop, 64 tokens) | 19.50 (server, speculation off) | 20.30 | "
+            "20.20 (padded batch) | 36.00 (batched) | served/README.md |") in table
+
+
+def test_llama_cpp_decodes_a_batch_of_sequences_as_it_decodes_each_alone():
+    """The served benchmark's llama.cpp peer (one llama_decode a step for every running sequence) gives each
+    prompt the tokens llama.cpp gives it alone, the sequences of other lengths and early ends beside it."""
+    from benchmarks import llama_peer
+    from benchmarks.prompts import load_prompts
+
+    if not llama_peer.available():
+        pytest.skip(llama_peer.INSTALL_HINT)
+    peer = llama_peer.LlamaCppPeer(llama_peer.gguf_of("gemma3-270m"), 1, set())
+    prompts = [peer.llm.tokenize(case.text.encode(), add_bos=True) for case in load_prompts("humaneval", 3)]
+    alone = [peer.generate(ids, 6) for ids in prompts]
+    batch = llama_peer.LlamaCppBatch(peer, 3, max(map(len, prompts)) + 8)
+    try:
+        assert batch.generate(prompts, 6) == alone
+        assert batch.generate(prompts[:1], 2) == [alone[0][:2]]  # fewer sequences, the memory cleared between calls
+        with pytest.raises(ValueError):
+            batch.generate(prompts + prompts[:1], 6)
+    finally:
+        batch.close()
 
 
 class _FakeHetSpec(hetspec_pb2_grpc.HetSpecServicer):
