@@ -1,5 +1,5 @@
-"""Serve's HTTP and gRPC proxies, before any routing: a request without a right API key is refused where it costs
-nothing.
+"""Serve's HTTP and gRPC proxies, before any routing: a request without a right API key, or an HTTP body over the
+proxy's message bound, is refused where it costs nothing.
 
 Checked in the replica only (deployments/auth.py ``RequireApiKey``), a keyless request was counted as load by
 the request router (deployments/serving/routing.py) and took one of Serve's slots before its 401: 96 concurrent keyless
@@ -20,17 +20,30 @@ it. Serve's own service (Healthz, ListApplications) stays open.
 
 from __future__ import annotations
 
+import os
+
 from starlette.middleware import Middleware
 
 from deployments.auth import API_KEY_ENV, OPEN_HTTP_PATHS, ApiKeys, RequireApiKey, keys_from_environment
+from deployments.body_limit import LimitBody
 
 # Serve's own probes (the proxy's health and route table: KubeRay's readiness checks) stay open too.
 OPEN_PROXY_PATHS = OPEN_HTTP_PATHS | {"/-/healthz", "/-/routes"}
 
 
+# The proxy's message bound, the one its gRPC side enforces (deployments.config.GRPC_MAX_MESSAGE_BYTES).
+MESSAGE_BOUND_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+
+
 def proxy_middlewares() -> list[Middleware]:
-    """Serve's HTTP proxy callback: the API key check, if this process has keys."""
+    """Serve's HTTP proxy callback: the body bound, if this process has one (an HTTP body over it is refused 413
+    here, not buffered by the proxy and forwarded to a replica that refuses it), then the API key check, if this
+    process has keys."""
+    middlewares = []
+    bound = os.environ.get(MESSAGE_BOUND_ENV, "")
+    if bound.isdigit():
+        middlewares.append(Middleware(LimitBody, get_limit=lambda: int(bound), setting=MESSAGE_BOUND_ENV))
     keys = ApiKeys(keys_from_environment(API_KEY_ENV))
-    if not keys.required:
-        return []
-    return [Middleware(RequireApiKey, get_api_keys=lambda: keys, open_paths=OPEN_PROXY_PATHS)]
+    if keys.required:
+        middlewares.append(Middleware(RequireApiKey, get_api_keys=lambda: keys, open_paths=OPEN_PROXY_PATHS))
+    return middlewares

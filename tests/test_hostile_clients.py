@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from fastapi.testclient import TestClient
+from starlette.requests import Request as StarletteRequest
 
 from deployments.config import AppConfig
 from deployments.serving.coordinator import Coordinator, GenerationRequest, InvalidRequest
@@ -257,6 +258,7 @@ def test_the_proxy_checks_keys_from_its_environment_and_leaves_serves_probes_ope
     from deployments.proxy import proxy_middlewares
 
     monkeypatch.delenv("HETSPEC_API_KEY", raising=False)
+    monkeypatch.delenv("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", raising=False)
     assert proxy_middlewares() == []  # no key: the replicas decide, as without the proxy check
     monkeypatch.setenv("HETSPEC_API_KEY", "sk-a, sk-b")
     app = FastAPI(middleware=proxy_middlewares())
@@ -266,6 +268,30 @@ def test_the_proxy_checks_keys_from_its_environment_and_leaves_serves_probes_ope
     assert client.post("/v1/completions").status_code == 401
     assert client.post("/v1/completions", headers={"Authorization": "Bearer sk-b"}).status_code == 200
     assert client.post("/-/healthz").status_code == client.post("/health").status_code == 200
+
+
+def test_the_proxy_refuses_a_body_over_its_message_bound_before_reading_it(monkeypatch):
+    """With Serve's message bound in its environment (the one its gRPC side enforces), the HTTP proxy answers an
+    oversized body 413 (the replica's error body, naming the setting) without reading it or routing it."""
+    from fastapi import FastAPI
+
+    from deployments.proxy import proxy_middlewares
+
+    monkeypatch.delenv("HETSPEC_API_KEY", raising=False)
+    monkeypatch.setenv("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", "4096")
+    routed = []
+    app = FastAPI(middleware=proxy_middlewares())
+
+    @app.post("/v1/completions")
+    async def completions(request: StarletteRequest):
+        routed.append(len(await request.body()))
+        return {"ok": True}
+
+    client = TestClient(app)
+    refused = client.post("/v1/completions", content=b"x" * 5000)
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+    assert "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE" in refused.json()["error"]["message"] and routed == []
+    assert client.post("/v1/completions", content=b"x" * 4000).status_code == 200 and routed == [4000]
 
 
 class _Unreachable:

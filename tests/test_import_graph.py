@@ -41,14 +41,15 @@ def test_deployments_is_at_most_six_layers_deep():
 
 
 # What each subpackage of deployments/ may import of deployments/ (docs/design.md, "Layout"); the top-level modules
-# config, errors and auth are shared by all, and app (the composition root) imports any.
+# config, errors and auth are shared by all (body_limit by the API layer and the proxy), and app (the composition
+# root) imports any.
 ALLOWED = {
     "deployments.runtime": {"deployments.config", "deployments.errors", "deployments.runtime"},
     "deployments.workers": {"deployments.config", "deployments.errors", "deployments.runtime", "deployments.workers"},
     "deployments.serving": {"deployments.config", "deployments.errors", "deployments.auth", "deployments.runtime",
                             "deployments.serving", "deployments.workers.api"},
-    "deployments.api": {"deployments.config", "deployments.errors", "deployments.auth", "deployments.serving",
-                        "deployments.api"},
+    "deployments.api": {"deployments.config", "deployments.errors", "deployments.auth", "deployments.body_limit",
+                        "deployments.serving", "deployments.api"},
     "deployments.tools": {"deployments.config", "deployments.tools"},
 }
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from deployments.auth import RequireApiKey
+from deployments.body_limit import LimitBody
 from deployments.serving.admission import Ticket
 from deployments.config import CorsConfig
 from hetspec.config import require_unicode
@@ -57,39 +58,6 @@ def _busy(error: Overloaded) -> JSONResponse:
 
 def _timeout_body(error: RequestTimeout) -> dict:
     return error_body(str(error), None, "timeout_error", "request_timeout")
-
-
-class LimitBody:
-    """ASGI middleware: a request body larger than ``limits.max_request_bytes`` is refused with 413 before it is
-    read: at once when its Content-Length says so, else as soon as the bytes received pass the limit (the route
-    reading it gets an HTTPException, answered 413 by ``_on_http_error``)."""
-
-    def __init__(self, app, get_coordinator: Callable[[], Coordinator]):
-        self.app = app
-        self.get_coordinator = get_coordinator
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        limit = self.get_coordinator().config.limits.max_request_bytes
-        message = f"the request body is larger than this server's limit of {limit} bytes (limits.max_request_bytes)"
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > limit:
-            response = JSONResponse(error_body(message, "body", "invalid_request_error", "request_too_large"),
-                                    status_code=413)
-            return await response(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            event = await receive()
-            if event["type"] == "http.request":
-                received += len(event.get("body", b""))
-                if received > limit:
-                    raise HTTPException(413, message)
-            return event
-
-        return await self.app(scope, limited_receive, send)
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -317,7 +285,8 @@ def build_openai_app(get_coordinator: Callable[[], Coordinator] = current_coordi
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_server_error)
-    app.add_middleware(LimitBody, get_coordinator=get_coordinator)
+    app.add_middleware(LimitBody, get_limit=lambda: get_coordinator().config.limits.max_request_bytes,
+                       setting="limits.max_request_bytes")
     # added later, so it runs first (the proxy may have checked the key already: deployments/proxy.py)
     app.add_middleware(RequireApiKey, get_api_keys=lambda: get_coordinator().api_keys)
     if cors is not None and cors.allow_origins:  # added last, so it runs first: a preflight needs no API key
