@@ -215,6 +215,7 @@ def summary(rows: list[dict], plain: list[list[int]] | None, outputs: dict) -> d
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    provenance = report.provenance(argv, "cpu", "benchmarks.exactness")  # the commit at the start
     document, config = app_config(args.config)
     target, drafter = load_pair(config)
     engine = Engine(target, drafter, batching=BatchingConfig(max_batch_size=args.batch))
@@ -233,7 +234,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                                   threads=config.target.threads, linear=config.target.linear)
         plain = reference(plain_target, prompts, args.max_new_tokens)
         del plain_target
-    result = {"provenance": report.provenance(argv, config.target.device, "benchmarks.exactness"),
+    result = {"provenance": provenance,
               "settings": {key: str(value) for key, value in vars(args).items()},
               "target_bit_exact_self_check": target.bit_exact,
               "speculation": {name: spec.model_dump() for name, spec in speculations.items()},
