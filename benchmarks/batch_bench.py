@@ -99,6 +99,7 @@ def hetspec_batched(engine: Engine, prompts: list[str], params: SamplingParams,
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    meta = provenance(argv, args.device, "benchmarks.batch_bench")  # at the start: its commit and load average
     torch.set_num_threads(args.threads)
     target = load_model(args.target, args.dtype, args.device, args.threads, bit_exact=args.bit_exact)
     drafter = load_model(args.drafter, args.dtype, args.device, args.threads, quantize=args.drafter_quantize)
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         rows.append({"batch_size": batch, "methods": measured})
         print(json.dumps({"batch_size": batch, **{name: round(entry["tokens_per_second"], 2)
                                                    for name, entry in measured.items()}}), flush=True)
-    return {"provenance": provenance(argv, args.device, "benchmarks.batch_bench"),
+    return {"provenance": meta,
             "settings": {key: str(value) for key, value in vars(args).items()}, "rows": rows}
 
 

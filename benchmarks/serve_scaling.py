@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    meta = report.provenance(argv, "cpu", "benchmarks.serve_scaling")  # at the start: its commit and load average
     if args.transformers_only:
         hf_levels(args, args.config, "hf.json")
         return 0
@@ -451,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         methods.update(versus(args))
     if args.hf_after and "hf" not in args.skip:
         methods["hf-batched-after"] = hf_levels(args, config, "hf-after.json")
-    result = {"meta": report.provenance(argv, "cpu", "benchmarks.serve_scaling"),
+    result = {"meta": meta,
               "settings": {"pair": f"{app['target']['model']} ({app['target']['dtype']}) <- {app['drafter']['model']}",
                            "concurrency": args.concurrency, "max_new_tokens": args.max_new_tokens,
                            "baseline_commit": args.baseline_commit, "versus_commit": args.versus_commit,
