@@ -132,3 +132,45 @@ def test_pipelined_served_requests_draft_ahead_in_the_step_and_output_the_target
         assert token_ids == alone.generate(prompt, params).token_ids, prompt
         assert stats.pipelined
     assert sum(stats.pipeline_hits for _, stats in results) > 0
+
+
+def test_two_concurrent_batches_split_the_requests_overlap_their_calls_and_keep_each_requests_passes(
+        exit_stack, gemma, smollm):
+    """``pipeline.max_concurrent_batches: 2``: four requests step as two batches of two, whose model calls are in
+    flight at once (one batch's verify beside the other's draft), and each request's tokens and target passes are
+    those the library gives it alone at the same fixed draft length."""
+    from deployments.serving.request import GenerationRequest
+
+    coordinator, target_worker, drafter_worker = _fixed(exit_stack, gemma, smollm, max_concurrent_batches=2)
+    prompts = [PROMPT, "The capital of France is", "Once upon a time", "1, 2, 3, 4, 5,"]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    runner, in_flight, most_in_flight, batch_sizes = coordinator.loop.runner, [0], [0], set()
+
+    def counted(call):
+        async def counting(step_call):
+            batch_sizes.add(tuple(sorted(len(scheduler) for scheduler in coordinator.loop.schedulers)))
+            in_flight[0] += 1
+            most_in_flight[0] = max(most_in_flight[0], in_flight[0])
+            try:
+                return await call(step_call)
+            finally:
+                in_flight[0] -= 1
+        return counting
+
+    runner.draft, runner.verify = counted(runner.draft), counted(runner.verify)
+
+    async def run():
+        results = await asyncio.gather(*(_run(coordinator, GenerationRequest(prompt=prompt, params=params))
+                                         for prompt in prompts))
+        await coordinator.admission.closes_done()
+        return results
+
+    results = asyncio.run(run())
+    assert (2, 2) in batch_sizes and max(max(sizes) for sizes in batch_sizes) <= 2
+    assert most_in_flight[0] >= 2, "the two batches' calls never overlapped"
+    library = Engine(gemma, smollm, speculation=SpeculationConfig(algorithm="slem", draft_tokens=3))
+    for prompt, (token_ids, stats) in zip(prompts, results):
+        alone = library.generate(prompt, params)
+        assert token_ids == alone.token_ids, prompt
+        assert stats.target_forwards == alone.stats.target_forwards, prompt
+    assert len(target_worker.sessions) == len(drafter_worker.sessions) == 0
