@@ -17,6 +17,18 @@ from hetspec.output import GenerationResult, ResultBuilder, StreamEvent
 Prompt = str | list[dict[str, str]]  # a plain prompt or chat messages
 
 
+def prompt_ids(prompt: str | None, messages: list[dict[str, str]] | None, model: LanguageModel) -> list[int]:
+    """The ids ``model`` is fed for a plain prompt or chat messages (exactly one of them); ``ValueError`` says what
+    is wrong. The one place a prompt is validated, in process and served (deployments/serving/coordinator.py)."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt or messages")
+    if messages is not None:
+        return model.encode_chat(messages)
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    return model.encode_prompt(prompt)
+
+
 class Engine:
     """Target plus optional drafter, in this process."""
 
@@ -27,16 +39,6 @@ class Engine:
         self.speculation = speculation or SpeculationConfig()
         self.batching = batching or BatchingConfig()
         self.maps = PairMaps(drafter, target) if drafter is not None else None
-
-    def prompt_ids(self, prompt: str | None, messages: list[dict[str, str]] | None,
-                   model: LanguageModel) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        if messages is not None:
-            return model.encode_chat(messages)
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        return model.encode_prompt(prompt)
 
     def request(self, prompt: str | None = None, params: SamplingParams | dict | None = None, *,
                 messages: list[dict[str, str]] | None = None, speculation: SpeculationConfig | dict | None = None,
@@ -50,10 +52,10 @@ class Engine:
         if speculation.algorithm == "auto":
             speculation = speculation.model_copy(update={"algorithm": algorithm})
         params = params.seeded()
-        target_ids = self.prompt_ids(prompt, messages, self.target)
+        target_ids = prompt_ids(prompt, messages, self.target)
         drafter_ids = None  # the drafter's own tokenization, only for algorithms that draft
         if algorithm != "ar":
-            drafter_ids = self.prompt_ids(prompt, messages, self.drafter)
+            drafter_ids = prompt_ids(prompt, messages, self.drafter)
         return Request(self.target, self.drafter, self.maps, speculation, params, target_ids, drafter_ids,
                        request_id=request_id, pipelined=self.batching.pipelined)
 

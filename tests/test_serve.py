@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from hetspec import Engine, SamplingParams, SpeculationConfig
+from hetspec.engine import prompt_ids
 from protos.hetspec.v1 import hetspec_pb2 as pb
 from protos.hetspec.v1 import hetspec_pb2_grpc as pb_grpc
 from serve_fixtures import NEW_TOKENS, served_app  # noqa: F401 -- the module's fixture
@@ -402,7 +403,7 @@ def test_logprobs_over_http_and_grpc_are_the_targets_own(openai_client, served_a
         assert len(top) == 2 and max(top, key=top.get) == token
 
     chat_expected = reference(messages=CHAT)
-    chat_ids = engine.prompt_ids(None, CHAT, gemma)
+    chat_ids = prompt_ids(None, CHAT, gemma)
     chat_own = independent_log_probs(gemma, chat_ids, chat_expected.token_ids)
     chat = openai_client.chat.completions.create(model=served_app.model_id, messages=CHAT, temperature=0,
                                                  max_tokens=NEW_TOKENS, logprobs=True, top_logprobs=3)
@@ -459,7 +460,7 @@ def test_tokenize_and_detokenize_round_trip(served_app, engine, gemma):  # noqa:
     assert httpx.post(f"{served_app.http_url}/detokenize", json={"tokens": bare["tokens"]},
                       timeout=60).json() == {"prompt": PROMPTS[2]}
     chat = httpx.post(f"{served_app.http_url}/tokenize", json={"messages": CHAT}, timeout=60).json()
-    assert chat["tokens"] == engine.prompt_ids(None, CHAT, gemma)
+    assert chat["tokens"] == prompt_ids(None, CHAT, gemma)
     refused = httpx.post(f"{served_app.http_url}/detokenize", json={"tokens": [1, -5]}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens.1"
 

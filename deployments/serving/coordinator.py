@@ -23,6 +23,7 @@ from ray.exceptions import TaskCancelledError
 
 from hetspec.algorithms import Algorithm, PairMaps, make_algorithm
 from hetspec.config import BatchingConfig, SamplingParams, SpeculationConfig
+from hetspec.engine import prompt_ids
 from hetspec.output import StreamEvent
 from hetspec.models import LanguageModel
 from hetspec.step import StepOutcome
@@ -235,14 +236,9 @@ class Coordinator:
         return self._prompt_ids(request, self.target_model)
 
     def _prompt_ids(self, request: GenerationRequest, model: LanguageModel) -> list[int]:
-        if (request.prompt is None) == (request.messages is None):
-            raise InvalidRequest("prompt", "give exactly one of prompt or messages")
+        messages = None if request.messages is None else [message.model_dump() for message in request.messages]
         try:
-            if request.messages is not None:
-                return model.encode_chat([message.model_dump() for message in request.messages])
-            if not request.prompt:
-                raise ValueError("must not be empty")
-            return model.encode_prompt(request.prompt)
+            return prompt_ids(request.prompt, messages, model)
         except ValueError as error:
             raise InvalidRequest("messages" if request.messages is not None else "prompt", str(error)) from None
 
