@@ -43,11 +43,6 @@ class PipelineConfig(StrictModel):
     pipelined: bool = Field(True, description=(
         "Default for requests: the drafter drafts each request's next step while the target verifies this one, "
         "assuming the whole draft accepted (hetspec/ahead.py); a request may override it."))
-    max_concurrent_batches: int = Field(1, ge=1, le=8, description=(
-        "Batches a replica steps at once (vLLM v1's max_concurrent_batches): its running requests are split among "
-        "them, each its own scheduler and step loop, so one batch's verify runs in the target while another's "
-        "draft runs in the drafter. 1: every request in one batch, each model idle while the other runs; 2 keeps "
-        "both busy at the price of two narrower target passes (docs/decisions/concurrent-batches.md)."))
     max_sessions: int = Field(16, ge=1, le=4096, description=(
         "Most requests whose KV cache one drafter or target actor holds at once; more get 'resource exhausted'."))
     session_idle_timeout_s: float = Field(120.0, gt=0.0, description=(

@@ -114,7 +114,7 @@ class Coordinator:
         # the replica's one decode loop: the library's scheduler and step, the passes in the actors
         self.loop = ReplicaLoop(_batching(config), config.speculation.load_adaptive,
                                 RemoteRunner(on_drafter_lost=lambda request: self._drafter_lost(request.request_id)),
-                                on_step=self._record_step, batches=config.pipeline.max_concurrent_batches)
+                                on_step=self._record_step)
         self.api_keys = ApiKeys.from_config(config.auth)  # the environment of this replica's process
         self.longest_token_chars = longest_token_chars(self.target_model)
         self._health: tuple[float, asyncio.Task | None] = (0.0, None)  # the last health check: when, its task

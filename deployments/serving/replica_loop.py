@@ -55,8 +55,6 @@ class RemoteRequest(Progress):
                       drafter_lost=algorithm.needs_drafter and drafter is None)
         super().__init__(target_model, params, speculation, stats, target_prompt_ids)
         self.pipelined = stats.pipelined = pipelined and drafter is not None
-        # a drafter pass fed this request's context (a catch-up) since its last verify: the step prices the prompt
-        self.drafter_fed_prompt = False
 
     @property
     def prefilled(self) -> bool:
@@ -74,6 +72,7 @@ class RemoteRunner:
 
     def __init__(self, on_drafter_lost: Callable[[RemoteRequest], None] = lambda request: None) -> None:
         self.on_drafter_lost = on_drafter_lost
+        self._fed_prompt = False  # a drafter pass fed a context's chunk this step (a catch-up): the step prices it
 
     async def draft(self, call: DraftCall) -> list[Draft | BaseException | None]:
         """Each order's draft (None: the request's drafter was lost, it goes on target-only); chunks: none here."""
@@ -83,7 +82,7 @@ class RemoteRunner:
         drafts: list[Draft | BaseException | None] = []
         for order, outcome in zip(call.orders, outcomes):
             if isinstance(outcome, Drafted):
-                order.request.drafter_fed_prompt |= outcome.fed_prompt
+                self._fed_prompt |= outcome.fed_prompt
                 order.request.stats.drafter_forwards += outcome.draft.drafter_forwards
                 drafts.append(outcome.draft)
             elif _drafter_gone(outcome):
@@ -104,10 +103,9 @@ class RemoteRunner:
         else:
             outcomes = await verifying
         committed: list[list[int] | BaseException] = []
-        fed_prompt = any(request.drafter_fed_prompt for request in call.requests) or any(
-            isinstance(outcome, VerifyResult) and outcome.fed_prompt for outcome in outcomes)
-        for request in call.requests:
-            request.drafter_fed_prompt = False
+        fed_prompt = self._fed_prompt or any(isinstance(outcome, VerifyResult) and outcome.fed_prompt
+                                             for outcome in outcomes)
+        self._fed_prompt = False
         for index, (request, outcome) in enumerate(zip(requests, outcomes)):
             if index >= len(call.requests):  # a prompt chunk: a failed one fails its request's first verify
                 request.prompt_left = outcome.prompt_left if isinstance(outcome, VerifyResult) else 0
@@ -155,54 +153,36 @@ async def _per_worker(workers: list[WorkerClient], items: list, method: str) -> 
 
 
 class ReplicaLoop:
-    """Steps while the replica has requests; each request reads its events from its own queue.
-
-    ``batches``: how many batches step at once (vLLM v1's ``max_concurrent_batches``), each its own scheduler and
-    loop; a request joins the one with the fewest. With two, one batch's verify runs in the target while the
-    other's draft runs in the drafter, so neither model waits for the replica's turn or for the other model
-    (one batch in lockstep left 13-22% of the cores idle at 2-8 clients: docs/decisions/concurrent-batches.md)."""
+    """Steps while the replica has requests; each request reads its events from its own queue."""
 
     def __init__(self, batching: BatchingConfig, load_adaptive: bool, runner: RemoteRunner,
-                 on_step: Callable[[StepOutcome], None] = lambda outcome: None, batches: int = 1) -> None:
-        self.schedulers = [Scheduler(batching, load_adaptive) for _ in range(batches)]
+                 on_step: Callable[[StepOutcome], None] = lambda outcome: None) -> None:
+        self.scheduler = Scheduler(batching, load_adaptive)
         self.runner = runner
         self.on_step = on_step
         self._queues: dict[RemoteRequest, asyncio.Queue] = {}
-        self._tasks: dict[Scheduler, asyncio.Task] = {}
-
-    @property
-    def scheduler(self) -> Scheduler:
-        """The scheduler a request joins now: the batch with the fewest requests (the first among equals)."""
-        return min(self.schedulers, key=len)
-
-    def __len__(self) -> int:
-        return sum(len(scheduler) for scheduler in self.schedulers)
+        self._task: asyncio.Task | None = None
 
     def reconfigure(self, batching: BatchingConfig, load_adaptive: bool) -> None:
         """New limits; the load-adaptive policy starts afresh when it is turned on."""
-        for scheduler in self.schedulers:
-            scheduler.batching = batching
-            if load_adaptive != (scheduler.adaptive is not None):
-                scheduler.adaptive = LoadAdaptive() if load_adaptive else None
+        self.scheduler.batching = batching
+        if load_adaptive != (self.scheduler.adaptive is not None):
+            self.scheduler.adaptive = LoadAdaptive() if load_adaptive else None
 
     def drafts_soon(self) -> bool:
-        """False while requests run and the load-adaptive policy's last cap was 0 in the batch a request would join:
-        it will likely draft nothing for a while (the coordinator then leaves its drafter prefill to its first
-        draft)."""
-        scheduler = self.scheduler
-        adaptive = scheduler.adaptive
-        return not (adaptive and scheduler.running and adaptive.chosen and adaptive.chosen[-1][1] == 0)
+        """False while requests run and the load-adaptive policy's last cap was 0: a request joining now will likely
+        draft nothing for a while (the coordinator then leaves its drafter prefill to its first draft)."""
+        adaptive = self.scheduler.adaptive
+        return not (adaptive and self.scheduler.running and adaptive.chosen and adaptive.chosen[-1][1] == 0)
 
     async def run(self, request: RemoteRequest) -> AsyncIterator[StreamEvent]:
         """The request's events until it finishes; it leaves the loop at the next step boundary once the consumer
         stops (cancelled, timed out) or it fails."""
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request] = queue
-        scheduler = self.scheduler
-        scheduler.add(request)
-        task = self._tasks.get(scheduler)
-        if task is None or task.done():
-            self._tasks[scheduler] = asyncio.get_running_loop().create_task(self._steps(scheduler))
+        self.scheduler.add(request)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._steps())
         try:
             while True:
                 outcome = await queue.get()
@@ -213,17 +193,17 @@ class ReplicaLoop:
                     return
         finally:
             del self._queues[request]
-            scheduler.remove(request)
+            self.scheduler.remove(request)
 
-    async def _steps(self, scheduler: Scheduler) -> None:
-        while len(scheduler):
+    async def _steps(self) -> None:
+        while len(self.scheduler):
             try:
-                outcomes = await self._step(scheduler)
+                outcomes = await self._step()
             except Exception as error:  # noqa: BLE001 -- a bug in a step: its requests fail, the loop goes on
                 log.exception("decode step failed")
-                outcomes = [StepOutcome(request, None, error) for request in scheduler.running]
+                outcomes = [StepOutcome(request, None, error) for request in self.scheduler.running]
                 for outcome in outcomes:
-                    scheduler.remove(outcome.request)
+                    self.scheduler.remove(outcome.request)
             for outcome in outcomes:
                 queue = self._queues.get(outcome.request)
                 if queue is None:  # it left during the step
@@ -236,10 +216,10 @@ class ReplicaLoop:
                 if event.token_ids or event.text or event.finish_reason:
                     queue.put_nowait(event)
                 if outcome.request.finished:
-                    scheduler.remove(outcome.request)
+                    self.scheduler.remove(outcome.request)
 
-    async def _step(self, scheduler: Scheduler) -> list[StepOutcome]:
-        calls, answer = run_step(scheduler), None
+    async def _step(self) -> list[StepOutcome]:
+        calls, answer = run_step(self.scheduler), None
         try:
             while True:
                 call = calls.send(answer)

@@ -75,13 +75,12 @@ class _Worker:
         # model work, loading included, runs on these threads, not on the actor's (deployments/runtime/model_threads.py)
         self.sessions: Sessions = Sessions(pipeline.max_sessions, pipeline.session_idle_timeout_s, release)
         # Requests at the other model take this model's cores too, unless the models are on different nodes or the
-        # requests go in step. Not pipelined and in one batch, a replica's requests draft together, then verify together
+        # requests go in step. Not pipelined, a replica's requests draft together, then verify together
         # (deployments/serving/replica_loop.py): the other model idles while this one runs, and a request
         # between this model's calls is in the coordinator's turn (sending its tokens), not at the other model. Counted,
         # it halved this model's threads while the cores idled: busy 84-87% of the cores at 8 clients
         # (docs/decisions/served-in-step.md, CPU by process).
-        shares_cores = pipeline.placement_strategy != "STRICT_SPREAD" and (
-            pipeline.pipelined or pipeline.max_concurrent_batches > 1)
+        shares_cores = pipeline.placement_strategy != "STRICT_SPREAD" and pipeline.pipelined
         self.model_threads = ModelThreads(
             f"hetspec-{self.role}", pipeline.model_lanes, model.threads if isinstance(model, ModelConfig) else None,
             at_other_model=(lambda: self.sessions.elsewhere(IN_FLIGHT_WITHIN_S)) if shares_cores else (lambda: 0))
