@@ -16,10 +16,12 @@ REPO = Path(__file__).resolve().parent.parent
 # each variable -> the Ray Serve constant it sets (ray/serve/_private/constants.py of the pinned Ray)
 SERVE_CONSTANTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "CONTROL_LOOP_INTERVAL_S",
                    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"}
+# each variable -> the shared library that reads it, which torch must have loaded for the setting to do anything
+LIBRARY_VARIABLES = {"GOMP_SPINCOUNT": "libgomp"}
 
 
 def test_ray_serve_takes_every_value_the_file_sets():
-    values = cpu_env()
+    values = {name: value for name, value in cpu_env().items() if name not in LIBRARY_VARIABLES}
     assert set(values) == set(SERVE_CONSTANTS), "a new variable needs its constant here, so it is checked"
     probe = ("import json, ray.serve._private.constants as c; "
              f"print(json.dumps({{name: getattr(c, name) for name in {sorted(SERVE_CONSTANTS.values())!r}}}))")
@@ -46,3 +48,13 @@ def test_a_variable_without_a_value_is_an_error(tmp_path):
     env_file.write_text("# comment\nRAY_SERVE_CONTROL_LOOP_INTERVAL_S=1.0\nRAY_SERVE_METRICS_EXPORT_INTERVAL_MS\n")
     with pytest.raises(ValueError, match="RAY_SERVE_METRICS_EXPORT_INTERVAL_MS without a value"):
         cpu_env(env_file)
+
+
+@pytest.mark.parametrize("variable, library", sorted(LIBRARY_VARIABLES.items()))
+def test_the_openmp_setting_is_for_the_runtime_torch_runs_its_passes_on(variable, library):
+    """GOMP_SPINCOUNT is read by GNU OpenMP only: torch's parallel passes must run on libgomp for it to count."""
+    assert variable in cpu_env()
+    probe = ("import torch; torch.set_num_threads(2); torch.ones(1 << 20).sum(); "
+             "print(open('/proc/self/maps').read())")
+    maps = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
+    assert library in maps, f"torch runs on another OpenMP runtime: {variable} does nothing"
