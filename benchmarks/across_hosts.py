@@ -233,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         result["same_tokens_as_library"] = all(
             ids == reference[prompt] for cell in result["cells"] for prompt, ids in zip(work_prompts(cell),
                                                                                         cell["token_ids"]))
-    (args.out / "result.json").write_text(json.dumps(result, indent=1))
-    (args.out / "README.md").write_text(markdown(result))
-    print(markdown(result))
+    report.write_result(args.out, result, markdown(result))
     return 0
 
 

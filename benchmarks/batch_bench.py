@@ -221,11 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     result = run(args, argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "README.md").write_text(markdown(result, args.algorithm))
+    report.write_result(args.out, result, markdown(result, args.algorithm))
     plot(result, args.out / "throughput.png")
-    print((args.out / "README.md").read_text())
     return 0
 
 

@@ -296,10 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     result = run(args, argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "README.md").write_text(markdown(result))
-    print((args.out / "README.md").read_text())
+    report.write_result(args.out, result, markdown(result))
     return 0 if all(entry["equal"] == entry["total"] for entry in result["modes"].values()) else 1
 
 

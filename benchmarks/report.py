@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -66,6 +67,14 @@ def provenance(argv: list[str], device: str, module: str = "benchmarks.bench") -
             "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(device)}
+
+
+def write_result(out: Path, result: dict, readme: str) -> None:
+    """A run's folder: ``result.json`` (everything measured) and ``README.md`` (its tables), and the tables printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "README.md").write_text(readme)
+    print(readme)
 
 
 def _fmt(value, digits: int = 2) -> str:

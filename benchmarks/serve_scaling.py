@@ -458,10 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                            "baseline_commit": args.baseline_commit, "versus_commit": args.versus_commit,
                            "speculation": app.get("speculation")},
               "methods": methods}
-    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "README.md").write_text(markdown(result))
+    report.write_result(args.out, result, markdown(result))
     plot(result, args.out / "throughput.png")
-    print((args.out / "README.md").read_text())
     return 0
 
 
