@@ -16,8 +16,8 @@ CPU (AMD EPYC, AVX512-BF16, no AMX; torch 2.13; docs/losslessness.md, "Bit-exact
    the row, or a gather of a tree's ancestors): the very call a one-position pass makes.
 2. Linear layers. bfloat16 ``F.linear`` gives a row the same bits among any number of rows from 2 up (checked
    2 to 513 rows on every layer shape of Qwen2.5-Coder-1.5B and Gemma-3-270M, to 2,048 on random weights, 1 or 2
-   threads), but other bits for a
-   row alone in some layers (Qwen's q and gate projections and its output layer): a matrix-vector kernel.
+   threads), but other bits for a row alone in some layers (Qwen's q and gate projections and its output layer):
+   a matrix-vector kernel.
    Fix: ``NoLoneRowLinear`` computes a lone row as a pair (the row twice) and keeps one, so every row gets the
    many-rows bits; the pair costs about what the lone row did (the weights are read once either way). float32
    Linear layers differ at every width (MKL/oneDNN pick other kernels by the row count; not fixed here), so
