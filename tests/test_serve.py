@@ -451,7 +451,7 @@ def test_n_choices_echo_and_stop_token_ids_through_the_openai_client(openai_clie
     assert stopped.choices[0].finish_reason == "stop"
 
 
-def test_tokenize_and_detokenize_round_trip(served_app, engine, gemma):  # noqa: F811
+def test_tokenize_and_detokenize_round_trip(served_app, gemma):  # noqa: F811
     tokenized = httpx.post(f"{served_app.http_url}/tokenize", json={"model": served_app.model_id,
                                                                    "prompt": PROMPTS[2]}, timeout=60).json()
     assert tokenized["tokens"] == gemma.encode_prompt(PROMPTS[2]) and tokenized["count"] == len(tokenized["tokens"])
